@@ -1,0 +1,70 @@
+# A tiny DETR (ResNet-18 cut after stage 3, d=64, 6 encoder layers) on the generated
+# synthetic COCO-format data (python -m latte_plugin.data.synthetic data/synthetic).
+# Random weights unless a checkpoint is given: for tests and the quick demo only.
+_base_ = 'mmdet::detr/detr_r50_8xb2-150e_coco.py'
+
+custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
+
+embed_dims = 64
+model = dict(
+    num_queries=20,
+    data_preprocessor=dict(pad_size_divisor=32),
+    backbone=dict(depth=18, num_stages=3, out_indices=(2, ), frozen_stages=-1, init_cfg=None),
+    neck=dict(in_channels=[256], out_channels=embed_dims),
+    encoder=dict(
+        num_layers=6,
+        layer_cfg=dict(
+            self_attn_cfg=dict(embed_dims=embed_dims, num_heads=4, dropout=0.0),
+            ffn_cfg=dict(embed_dims=embed_dims, feedforward_channels=128, ffn_drop=0.0))),
+    decoder=dict(
+        num_layers=2,
+        layer_cfg=dict(
+            self_attn_cfg=dict(embed_dims=embed_dims, num_heads=4, dropout=0.0),
+            cross_attn_cfg=dict(embed_dims=embed_dims, num_heads=4, dropout=0.0),
+            ffn_cfg=dict(embed_dims=embed_dims, feedforward_channels=128, ffn_drop=0.0))),
+    positional_encoding=dict(num_feats=embed_dims // 2),
+    bbox_head=dict(num_classes=3, embed_dims=embed_dims),
+    test_cfg=dict(max_per_img=20))
+
+data_root = 'data/synthetic/'
+metainfo = dict(classes=('square', 'disc', 'triangle'))
+backend_args = None
+image_size = 256
+train_pipeline = [
+    dict(type='LoadImageFromFile', backend_args=backend_args),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='Resize', scale=(image_size, image_size), keep_ratio=True),
+    dict(type='PackDetInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile', backend_args=backend_args),
+    dict(type='Resize', scale=(image_size, image_size), keep_ratio=True),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
+]
+train_dataloader = dict(
+    batch_size=4, num_workers=0, persistent_workers=False,
+    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_train.json',
+                 data_prefix=dict(img='train/'), pipeline=train_pipeline))
+val_dataloader = dict(
+    batch_size=4, num_workers=0, persistent_workers=False,
+    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_val.json',
+                 data_prefix=dict(img='val/'), pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json', backend_args=backend_args)
+test_evaluator = val_evaluator
+
+custom_hooks = [
+    dict(
+        type='LinearizeHook',
+        candidates=['encoder.layers.*.self_attn'],
+        ratio=0.67,
+        variant='latte',
+        num_images=16,
+        steps=60,
+    )
+]
+default_hooks = dict(logger=dict(interval=10))
+randomness = dict(seed=0)
+env_cfg = dict(dist_cfg=dict(backend='gloo'))

@@ -1,0 +1,247 @@
+"""Training-free calibration of one layer's LATTE scalars (spec section 6).
+
+* :class:`LayerRecorder` keeps a bounded, seeded reservoir of what a layer saw.
+* :func:`fit_layer` fits ``(alpha, rho, sigma)`` by local reconstruction on it.
+
+Statistics that cross ranks go through an ``all_reduce`` callable that sums a tensor in
+place (identity in one process), so every rank computes the same scalars.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import kernels
+from .layer import LatteParams
+
+__all__ = ["RecordedItem", "LayerRecorder", "fit_layer", "FitResult", "reconstruction_error", "AllReduce"]
+
+AllReduce = Callable[[Tensor], Tensor]
+
+
+def _no_reduce(t: Tensor) -> Tensor:
+    return t
+
+
+@dataclass
+class RecordedItem:
+    """One image's view of one layer: the sampled queries, all valid keys and the softmax target.
+
+    Shapes: q ``(H, n, d)``, k ``(H, M, d)``, v ``(H, M, d_v)``, target ``(H, n, d_v)``.
+    Padded keys are dropped at record time, so no mask is needed later.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    target: Tensor
+
+
+@dataclass
+class LayerRecorder:
+    """Bounded record of a layer's inputs and exact outputs.
+
+    Memory stays bounded whatever the number of images: at most ``max_items`` images are
+    kept (reservoir sampling with a fixed seed) and at most ``max_queries`` query tokens of
+    each. All keys of a kept image are stored, because linear attention sums over them.
+
+    Args:
+        name: the layer's module name, for error messages.
+        max_items: images kept per layer.
+        max_queries: query tokens kept per image.
+        seed: the seed of the sampling generator.
+    """
+
+    name: str
+    max_items: int = 64
+    max_queries: int = 256
+    seed: int = 0
+    items: list[RecordedItem] = field(default_factory=list)
+    seen: int = 0
+
+    def __post_init__(self) -> None:
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], out: Tensor) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v), ("output", out)):
+            if not bool(torch.isfinite(t).all()):
+                raise FloatingPointError(
+                    f"non-finite values (NaN/Inf) in the recorded {name} of layer '{self.name}'; "
+                    "check the input images and the checkpoint"
+                )
+        for b in range(q.shape[0]):
+            self.seen += 1
+            slot = len(self.items)
+            if slot >= self.max_items:
+                slot = int(torch.randint(self.seen, (1,), generator=self._gen))
+                if slot >= self.max_items:
+                    continue
+            n = q.shape[2]
+            if n > self.max_queries:
+                idx = torch.randperm(n, generator=self._gen)[: self.max_queries].sort().values
+            else:
+                idx = torch.arange(n)
+            kb, vb = k[b], v[b]
+            if key_padding_mask is not None:
+                keep = ~key_padding_mask[b]
+                kb, vb = kb[:, keep], vb[:, keep]
+            item = RecordedItem(
+                q=q[b][:, idx].detach().float().cpu(),
+                k=kb.detach().float().cpu(),
+                v=vb.detach().float().cpu(),
+                target=out[b][:, idx].detach().float().cpu(),
+            )
+            if slot == len(self.items):
+                self.items.append(item)
+            else:
+                self.items[slot] = item
+
+
+@dataclass
+class FitResult:
+    """Outcome of :func:`fit_layer`: the mean squared errors before and after fitting."""
+
+    initial_mse: float
+    final_mse: float
+    alpha_init: float
+
+
+def _sum_count(values: list[tuple[Tensor, float]], all_reduce: AllReduce) -> Tensor:
+    acc = torch.zeros(2, dtype=torch.float64)
+    for s, c in values:
+        acc[0] += float(s)
+        acc[1] += c
+    return all_reduce(acc)
+
+
+def softmax_weighted_mean_score(items: list[RecordedItem], all_reduce: AllReduce = _no_reduce) -> float:
+    """The spec's starting anchor: the softmax-weighted mean of ``x_ij = <q_i, k_j> / sqrt(d)``."""
+    vals = []
+    for it in items:
+        x = it.q @ it.k.transpose(-1, -2) / math.sqrt(it.q.shape[-1])
+        p = torch.softmax(x, dim=-1)
+        vals.append(((p * x).sum(), float(x.shape[0] * x.shape[1])))
+    acc = _sum_count(vals, all_reduce)
+    if acc[1] == 0:
+        raise ValueError("cannot calibrate a layer with no recorded tokens (is the calibration set empty?)")
+    return float(acc[0] / acc[1])
+
+
+def _stack_by_shape(items: list[RecordedItem]) -> list[RecordedItem]:
+    """Float64 copies with same-shaped items stacked along a new leading dim: ``(G, H, n, d)``.
+
+    Fitting then runs one batched op per shape instead of one per image. Groups are kept
+    in first-seen order, so the result is deterministic.
+    """
+    groups: dict[tuple, list[RecordedItem]] = {}
+    for it in items:
+        groups.setdefault((tuple(it.q.shape), tuple(it.k.shape)), []).append(it)
+    return [
+        RecordedItem(*(torch.stack([getattr(it, f) for it in g]).double() for f in ("q", "k", "v", "target")))
+        for g in groups.values()
+    ]
+
+
+def _linear_outputs(layer: LatteParams, it: RecordedItem, m: Tensor, log_rho: Tensor) -> Tensor:
+    fq, fk = layer.features(it.q, it.k, m=m, log_rho=log_rho)
+    return kernels.linear_attention(fq, fk, it.v)  # (H, n, d_v)
+
+
+def reconstruction_error(
+    layer: LatteParams, items: list[RecordedItem], all_reduce: AllReduce = _no_reduce, use_sigma: bool = True
+) -> float:
+    """Mean squared error between the layer's current linear output and the recorded softmax output."""
+    vals = []
+    with torch.no_grad():
+        for it in items:
+            o = _linear_outputs(layer, it, layer.m, layer.log_rho)
+            if use_sigma:
+                h, _, dv = o.shape
+                o = o * layer.sigma.view(h, 1, dv)
+            vals.append((((o - it.target) ** 2).sum(), float(o.numel())))
+    acc = _sum_count(vals, all_reduce)
+    return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
+
+
+def fit_layer(
+    layer: LatteParams,
+    items: list[RecordedItem],
+    steps: int = 150,
+    lr: float = 0.05,
+    fit_sigma: bool = True,
+    all_reduce: AllReduce = _no_reduce,
+) -> FitResult:
+    """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
+
+    ``m`` (so alpha) starts at the softmax-weighted mean score and ``log_rho`` at 0; both
+    are fitted with full-batch Adam on the mean squared error against the recorded
+    softmax outputs, with gradients summed across ranks. ``jpn_only`` keeps ``m = 1``
+    (alpha = 0) and ``qtvit`` has no anchor. sigma is then a closed-form per-channel least
+    squares. Deterministic: no sampling happens here.
+
+    Args:
+        layer: the layer whose buffers are set.
+        items: its recordings (this rank's share).
+        steps, lr: Adam's budget.
+        fit_sigma: fit sigma (else it stays ones).
+        all_reduce: sums a tensor across ranks in place.
+
+    Returns:
+        :class:`FitResult` with the MSE at the start (alpha from the weighted mean) and at the end.
+    """
+    local = torch.tensor([float(len(items))], dtype=torch.float64)
+    if float(all_reduce(local)[0]) == 0:
+        raise ValueError("empty calibration set: no image reached the layer; give at least one image")
+    variant = layer.variant
+    alpha0 = softmax_weighted_mean_score(items, all_reduce)
+    alpha0 = min(alpha0, 1.0 - 1e-4)
+    layer.sigma.fill_(1.0)
+    layer.m.fill_(math.sqrt(1.0 - alpha0) if variant in ("latte", "tte_only") else 1.0)
+    layer.log_rho.fill_(0.0)
+    initial = reconstruction_error(layer, items, all_reduce, use_sigma=False)
+
+    fit_m = variant in ("latte", "tte_only")
+    m = layer.m.detach().clone().double().requires_grad_(fit_m)
+    log_rho = layer.log_rho.detach().clone().double().requires_grad_(True)
+    params = [p for p in (m, log_rho) if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
+    total = _sum_count([(0.0, float(it.target.numel())) for it in items], all_reduce)[1]
+    items64 = _stack_by_shape(items)
+    with torch.enable_grad():
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=False)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            for it in items64:
+                o = _linear_outputs(layer, it, m, log_rho)
+                loss = ((o - it.target) ** 2).sum() / total
+                loss.backward()
+            grads = torch.stack([p.grad for p in params])
+            grads = all_reduce(grads)
+            for p, g in zip(params, grads):
+                p.grad.copy_(g)
+            opt.step()
+            with torch.no_grad():
+                log_rho.clamp_(-20.0, 20.0)  # keeps the gauge from drifting to overflow
+    layer.m.fill_(float(m.detach()))
+    layer.log_rho.fill_(float(log_rho.detach()))
+
+    if fit_sigma:
+        num = torch.zeros(layer.embed_dim, dtype=torch.float64)
+        den = torch.zeros(layer.embed_dim, dtype=torch.float64)
+        with torch.no_grad():
+            for it in items64:
+                o = _linear_outputs(layer, it, layer.m.double(), layer.log_rho.double())  # (G, H, n, dv)
+                num += (o * it.target).sum(dim=(0, 2)).reshape(-1)
+                den += (o * o).sum(dim=(0, 2)).reshape(-1)
+        sums = all_reduce(torch.stack([num, den]))
+        sigma = torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(1e-30), torch.ones_like(sums[0]))
+        layer.sigma.copy_(sigma.float())
+    final = reconstruction_error(layer, items, all_reduce, use_sigma=True)
+    layer.calibrated.fill_(True)
+    return FitResult(initial_mse=initial, final_mse=final, alpha_init=alpha0)

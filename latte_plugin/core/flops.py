@@ -1,0 +1,28 @@
+"""Attention-core FLOP counts (projections excluded; they are the same in both modes).
+
+One multiply-add counts as 2 FLOPs. Per head, with N queries, M keys, head width d
+(values d_v) and LATTE feature width F = d + 1 (diagonal map plus the beta column):
+
+* exact:  ``QK^T`` 2NMd, softmax 3NM (exp, sum, divide), ``PV`` 2NMd_v;
+* linear: feature maps ~6(N+M)d (square, norm, scale), ``K^T V`` 2MFd_v, ``K^T 1`` MF,
+  ``Q(K^T V)`` 2NFd_v, ``Q(K^T 1)`` 2NF, divide Nd_v.
+"""
+from __future__ import annotations
+
+__all__ = ["exact_attention_flops", "linear_attention_flops", "layer_flops"]
+
+
+def exact_attention_flops(n: int, m: int, d: int, d_v: int, heads: int) -> int:
+    return heads * (2 * n * m * d + 3 * n * m + 2 * n * m * d_v)
+
+
+def linear_attention_flops(n: int, m: int, d: int, d_v: int, heads: int) -> int:
+    f = d + 1
+    return heads * (6 * (n + m) * d + 2 * m * f * d_v + m * f + 2 * n * f * d_v + 2 * n * f + n * d_v)
+
+
+def layer_flops(n: int, m: int, embed_dim: int, heads: int, linear: bool) -> int:
+    """FLOPs of one attention layer's core in the given mode."""
+    d = embed_dim // heads
+    fn = linear_attention_flops if linear else exact_attention_flops
+    return fn(n, m, d, d, heads)

@@ -1,0 +1,318 @@
+"""The whole training-free flow on any model whose candidate layers carry :class:`LatteParams`.
+
+Steps (``../shared/ARCHITECTURE.md``): record -> fit -> score -> select. A framework adapter
+supplies the model (already swapped), a list of calibration batches, a ``forward``
+callable that runs one batch, and an ``all_reduce`` for distributed runs; it decides
+*when* to call :func:`calibrate_model`.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import flops as flops_mod
+from .calibration import AllReduce, LayerRecorder, fit_layer
+from .kernels import VARIANTS
+from .layer import MODES, LatteParams
+from .selection import SensitivityStats, greedy_select, num_linear_layers, select_by_score
+
+__all__ = [
+    "LatteConfig",
+    "find_latte_layers",
+    "match_candidates",
+    "set_modes",
+    "calibrate_model",
+    "attention_gflops",
+]
+
+SELECTIONS = ("score", "greedy")
+
+
+@dataclass
+class LatteConfig:
+    """Everything a user sets for LATTE; the same keys appear in mmdet and detectron2 configs.
+
+    Attributes:
+        candidates: ``fnmatch`` patterns over module names, e.g. ``'encoder.layers.*.self_attn'``.
+        ratio: fraction of candidates made linear (ignored when ``num_linear`` is set).
+        num_linear: exact number of candidates made linear.
+        variant: one of ``qtvit``, ``jpn_only``, ``tte_only``, ``latte``.
+        num_images: calibration images taken from the train split.
+        max_items, max_queries: recording bounds per layer (images, query tokens per image).
+        steps, lr: the per-layer fit's Adam budget.
+        fit_sigma: fit the output rescaling sigma.
+        sequential: fit layer l on inputs from the model with layers < l already linear.
+        selection: ``score`` (the paper's, lambda) or ``greedy`` (global, on the final output).
+        lam: lambda of the sensitivity score.
+        greedy_images: calibration images used by greedy selection.
+        mode: mode of the selected layers, ``linear`` or ``dynamic``.
+        threshold: key count below which ``dynamic`` layers use softmax.
+        seed: seeds the recorders' sampling.
+    """
+
+    candidates: Sequence[str] = ("encoder.layers.*.self_attn",)
+    ratio: Optional[float] = 0.67
+    num_linear: Optional[int] = None
+    variant: str = "latte"
+    num_images: int = 64
+    max_items: int = 64
+    max_queries: int = 256
+    steps: int = 150
+    lr: float = 0.05
+    fit_sigma: bool = True
+    sequential: bool = False
+    selection: str = "score"
+    lam: float = 10.0
+    greedy_images: int = 16
+    mode: str = "linear"
+    threshold: int = 0
+    seed: int = 0
+
+    def validate(self) -> "LatteConfig":
+        """Checks every field; raises ``ValueError`` naming the bad one."""
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown LATTE variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
+        if self.mode not in ("linear", "dynamic"):
+            raise ValueError(f"mode of the selected layers must be 'linear' or 'dynamic', got {self.mode!r}")
+        if self.num_linear is None:
+            num_linear_layers(1, ratio=self.ratio)  # validates the ratio
+        if int(self.num_images) < 1:
+            raise ValueError(f"num_images must be >= 1, got {self.num_images}")
+        if isinstance(self.candidates, str):
+            self.candidates = (self.candidates,)
+        if not self.candidates:
+            raise ValueError("candidates is empty: name the attention modules to linearize by pattern")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> "LatteConfig":
+        d = dict(d or {})
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown LATTE setting(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d).validate()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["candidates"] = list(d["candidates"])
+        return d
+
+
+def match_candidates(names: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """Module names matching any pattern, in model order.
+
+    Raises:
+        ValueError: if a pattern matches nothing (names it and shows a few module names).
+    """
+    names = list(names)
+    out = []
+    for pat in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            sample = ", ".join(names[:8])
+            raise ValueError(f"candidate pattern {pat!r} matches no attention module; available: {sample} ...")
+        out.extend(h for h in hits if h not in out)
+    return [n for n in names if n in out]
+
+
+def find_latte_layers(model: nn.Module) -> dict[str, LatteParams]:
+    """``{attention module name: its LatteParams}`` in model order (the ``.latte`` suffix stripped)."""
+    layers = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LatteParams):
+            default = name[: -len(".latte")] if name.endswith(".latte") else name
+            layers[getattr(mod, "layer_name", default)] = mod
+    return layers
+
+
+def set_modes(layers: dict[str, LatteParams], linear: Iterable[str], mode: str = "linear") -> None:
+    """Puts ``linear`` layers in ``mode`` and every other layer in exact mode."""
+    linear = set(linear)
+    for name, layer in layers.items():
+        layer.mode = mode if name in linear else "exact"
+
+
+def _tensors(out: Any) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensors(v)]
+    return []
+
+
+def _output_sq_error(a: Any, b: Any) -> tuple[float, int]:
+    ta, tb = _tensors(a), _tensors(b)
+    err = sum(float(((x.double() - y.double()) ** 2).sum()) for x, y in zip(ta, tb) if x.is_floating_point())
+    return err, sum(x.numel() for x in ta if x.is_floating_point())
+
+
+def _passthrough(it: Iterable, total: int, desc: str) -> Iterable:
+    return it
+
+
+def attention_gflops(shapes: dict[str, tuple[int, int]], layers: dict[str, LatteParams], linear: Iterable[str]) -> float:
+    """Attention-core GFLOPs of one image, given each layer's ``(N, M)``."""
+    linear = set(linear)
+    total = 0
+    for name, (n, m) in shapes.items():
+        lay = layers[name]
+        total += flops_mod.layer_flops(n, m, lay.embed_dim, lay.num_heads, name in linear)
+    return total / 1e9
+
+
+@torch.no_grad()
+def calibrate_model(
+    model: nn.Module,
+    batches: Sequence[Any],
+    forward: Callable[[Any], Any],
+    cfg: LatteConfig,
+    all_reduce: Optional[AllReduce] = None,
+    log: Callable[[str], None] = print,
+    progress: Callable[[Iterable, int, str], Iterable] = _passthrough,
+) -> dict:
+    """Records, fits, scores and selects; leaves ``model`` hybrid and returns the report.
+
+    Args:
+        model: a model whose candidate attention modules hold :class:`LatteParams`.
+        batches: calibration batches (this rank's share), reused for every pass.
+        forward: runs the model on one batch; returns its raw outputs (tensors, nested ok).
+        cfg: the settings.
+        all_reduce: sums a float64 tensor across ranks in place; identity when None.
+        log: receives progress lines.
+        progress: wraps an iterable in a progress bar.
+
+    Returns:
+        ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config}``.
+    """
+    cfg.validate()
+    reduce = all_reduce or (lambda t: t)
+    layers = find_latte_layers(model)
+    if not layers:
+        raise ValueError("the model has no LATTE layers: swap the candidate attention modules in first")
+    count = torch.tensor([float(len(batches))], dtype=torch.float64)
+    if float(reduce(count)[0]) == 0:
+        raise ValueError("empty calibration set: the calibration loader gave no batch; give num_images >= 1")
+    k = num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
+    was_training = model.training
+    model.eval()
+    names = list(layers)
+    for layer in layers.values():
+        layer.variant = cfg.variant
+        layer.mode = "exact"
+
+    def run_all(desc: str) -> None:
+        for batch in progress(batches, len(batches), desc):
+            forward(batch)
+
+    # 1-2. record and fit
+    fits = {}
+    groups = [[n] for n in names] if cfg.sequential else [names]
+    for group in groups:
+        recs = {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group}
+        for n in group:
+            layers[n].recorder = recs[n]
+        try:
+            run_all(f"recording {group[0]}" if cfg.sequential else "recording")
+        finally:
+            for n in group:
+                layers[n].recorder = None
+        for n in group:
+            res = fit_layer(layers[n], recs[n].items, cfg.steps, cfg.lr, cfg.fit_sigma, reduce)
+            fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init}
+            log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={math.exp(float(layers[n].log_rho)):.4g} "
+                f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}")
+            if cfg.sequential:
+                layers[n].mode = "linear"
+
+    # 3. sensitivity: exact vs fully linear activations, streamed
+    stats = {n: SensitivityStats() for n in names}
+    shapes: dict[str, list[float]] = {n: [0.0, 0.0, 0.0] for n in names}
+    captured: dict[str, Tensor] = {}
+
+    def make_probe(n: str):
+        def probe(o: Tensor) -> None:
+            captured[n] = o.detach()
+        return probe
+
+    for n in names:
+        layers[n].probe = make_probe(n)
+    try:
+        for batch in progress(batches, len(batches), "scoring"):
+            set_modes(layers, [])
+            captured.clear()
+            forward(batch)
+            exact = dict(captured)
+            set_modes(layers, names)
+            captured.clear()
+            forward(batch)
+            for n in names:
+                if n not in exact or n not in captured:
+                    raise RuntimeError(f"layer {n} was not run by forward(); is it really used by the model?")
+                stats[n].update(exact[n], captured[n])
+                b, nq, _ = exact[n].shape
+                shapes[n][0] += nq * b
+                shapes[n][2] += b
+    finally:
+        for n in names:
+            layers[n].probe = None
+    sens = {}
+    for n in names:
+        stats[n].sums = reduce(stats[n].sums)
+        sens[n] = stats[n].score(cfg.lam)
+    # (N, M) per layer: self-attention here, so M = N; averaged over images.
+    tok = torch.tensor([[shapes[n][0], shapes[n][2]] for n in names], dtype=torch.float64)
+    tok = reduce(tok)
+    mean_shapes = {n: (int(round(float(tok[i, 0] / tok[i, 1]))),) * 2 for i, n in enumerate(names)}
+
+    # 4. select
+    trace: list[dict] = []
+    if cfg.selection == "score":
+        chosen = select_by_score(sens, k)
+    else:
+        sub = list(batches[: max(1, cfg.greedy_images)])
+        set_modes(layers, [])
+        ref = [forward(b) for b in sub]
+
+        def distortion(linear: list[str]) -> float:
+            set_modes(layers, linear)
+            acc = torch.zeros(2, dtype=torch.float64)
+            for b, r in zip(sub, ref):
+                e, c = _output_sq_error(forward(b), r)
+                acc[0] += e
+                acc[1] += c
+            acc = reduce(acc)
+            return float(acc[0] / acc[1])
+
+        chosen, trace = greedy_select(names, k, distortion)
+    chosen = [n for n in names if n in chosen]
+    set_modes(layers, chosen, cfg.mode)
+    for layer in layers.values():
+        layer.threshold.fill_(int(cfg.threshold))
+    model.train(was_training)
+    for n in names:
+        log(f"[latte] {n}: sensitivity={sens[n]:.4e} -> {'LINEAR' if n in chosen else 'exact'}")
+    return {
+        "variant": cfg.variant,
+        "candidates": names,
+        "sensitivity": sens,
+        "linearized": chosen,
+        "params": {n: layers[n].scalars() for n in names},
+        "sigma_mean": {n: float(layers[n].sigma.mean()) for n in names},
+        "fit": fits,
+        "selection": {"method": cfg.selection, "k": k, "trace": trace},
+        "tokens": {n: mean_shapes[n][0] for n in names},
+        "attention_gflops": {
+            "exact": attention_gflops(mean_shapes, layers, []),
+            "linearized": attention_gflops(mean_shapes, layers, chosen),
+        },
+        "config": cfg.to_dict(),
+    }

@@ -1,0 +1,155 @@
+"""Per-layer LATTE state and the dispatch between exact, linear and dynamic attention.
+
+:class:`LatteParams` holds the calibrated scalars of one attention layer as buffers, so
+they travel in an ordinary ``state_dict`` (and load with ``weights_only=True``). A framework
+adapter projects q, k, v itself and calls :meth:`LatteParams.attend`; nothing here knows
+about mmdet or detectron2.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import kernels
+
+__all__ = ["MODES", "LatteParams", "merge_heads"]
+
+#: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys.
+MODES = ("exact", "linear", "dynamic")
+
+
+class LatteParams(nn.Module):
+    """The LATTE scalars of one attention layer (spec sections 2-5, 8).
+
+    Gauge (spec section 4): the output depends on ``delta_q delta_k / (beta_q beta_k)`` only,
+    so we fit ``log_rho = log(delta_q delta_k)`` with ``beta_q = beta_k = 1`` and report
+    ``delta_q = delta_k = sqrt(rho)``. ``alpha = 1 - m^2`` is always <= 1.
+
+    Buffers (all in the state dict): ``m``, ``log_rho``, ``sigma`` ``(embed_dim,)``,
+    ``variant_id``, ``mode_id``, ``threshold`` and ``calibrated``.
+
+    Args:
+        embed_dim: concatenated head width ``C = H * d_v``.
+        num_heads: number of heads ``H``.
+        variant: one of :data:`kernels.VARIANTS`.
+        mode: one of :data:`MODES`.
+        threshold: for ``dynamic`` mode, the key count below which softmax is used.
+    """
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, variant: str = "latte", mode: str = "exact", threshold: int = 0
+    ) -> None:
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.register_buffer("m", torch.tensor(1.0))
+        self.register_buffer("log_rho", torch.tensor(0.0))
+        self.register_buffer("sigma", torch.ones(embed_dim))
+        self.register_buffer("variant_id", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("mode_id", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("threshold", torch.tensor(int(threshold), dtype=torch.long))
+        self.register_buffer("calibrated", torch.tensor(False))
+        self.variant = variant
+        self.mode = mode
+        #: Set by calibration to receive ``(q, k, v, key_padding_mask, exact_output)``.
+        self.recorder: Optional[Callable[..., None]] = None
+        #: Set by sensitivity scoring to receive this layer's output ``(B, N, C)``.
+        self.probe: Optional[Callable[[Tensor], None]] = None
+
+    # -- names <-> buffers -------------------------------------------------------------
+    @property
+    def variant(self) -> str:
+        return kernels.VARIANTS[int(self.variant_id)]
+
+    @variant.setter
+    def variant(self, name: str) -> None:
+        if name not in kernels.VARIANTS:
+            raise ValueError(f"unknown LATTE variant {name!r}; choose one of {', '.join(kernels.VARIANTS)}")
+        self.variant_id.fill_(kernels.VARIANTS.index(name))
+
+    @property
+    def mode(self) -> str:
+        return MODES[int(self.mode_id)]
+
+    @mode.setter
+    def mode(self, name: str) -> None:
+        if name not in MODES:
+            raise ValueError(f"unknown attention mode {name!r}; choose one of {', '.join(MODES)}")
+        self.mode_id.fill_(MODES.index(name))
+
+    @property
+    def alpha(self) -> float:
+        return 1.0 - float(self.m) ** 2
+
+    def set_alpha(self, alpha: float) -> None:
+        """Sets the Taylor anchor. Raises ``ValueError`` for ``alpha > 1`` (then ``m`` would be imaginary)."""
+        if not math.isfinite(alpha) or alpha > 1.0:
+            raise ValueError(f"alpha must be a finite number <= 1 (m = sqrt(1 - alpha)), got {alpha}")
+        self.m.fill_(math.sqrt(1.0 - alpha))
+
+    def scalars(self) -> dict[str, float]:
+        """The five reported scalars ``{alpha, delta_q, delta_k, beta_q, beta_k}``."""
+        delta = math.exp(0.5 * float(self.log_rho))
+        alpha = 0.0 if self.variant == "jpn_only" else self.alpha
+        return {"alpha": alpha, "delta_q": delta, "delta_k": delta, "beta_q": 1.0, "beta_k": 1.0}
+
+    # -- attention -----------------------------------------------------------------------
+    def features(self, q: Tensor, k: Tensor, m: Optional[Tensor] = None, log_rho: Optional[Tensor] = None):
+        """Feature maps of this layer's variant; ``m``/``log_rho`` override the buffers (for fitting)."""
+        m = self.m if m is None else m
+        log_rho = self.log_rho if log_rho is None else log_rho
+        delta = torch.exp(0.5 * log_rho)
+        return kernels.variant_features(q, k, self.variant, m, delta, delta, 1.0, 1.0)
+
+    def linear(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """LATTE linear attention with sigma applied: ``(B, H, N, d_v)``."""
+        fq, fk = self.features(q, k)
+        o = kernels.linear_attention(fq, fk, v, key_padding_mask)
+        b, h, n, dv = o.shape
+        return o * self.sigma.view(h, 1, dv).to(o.dtype)
+
+    def use_linear(self, num_keys: int) -> bool:
+        mode = self.mode
+        return mode == "linear" or (mode == "dynamic" and num_keys >= int(self.threshold))
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        attn_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Attention in the current mode.
+
+        Args:
+            q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``.
+            key_padding_mask: ``(B, M)`` bool, ``True`` = padded.
+            attn_mask: honoured in softmax; linear attention raises ``ValueError`` if it masks anything.
+
+        Returns:
+            ``(B, H, N, d_v)``.
+        """
+        if self.use_linear(k.shape[-2]):
+            kernels.check_attn_mask(attn_mask, "LATTE linear attention")
+            out = self.linear(q, k, v, key_padding_mask)
+        else:
+            out = kernels.softmax_attention(q, k, v, key_padding_mask, attn_mask)
+            if self.recorder is not None:
+                self.recorder(q, k, v, key_padding_mask, out)
+        if self.probe is not None:
+            self.probe(merge_heads(out))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"variant={self.variant}, mode={self.mode}, alpha={self.alpha:.4f}, calibrated={bool(self.calibrated)}"
+
+
+def merge_heads(o: Tensor) -> Tensor:
+    """``(B, H, N, d_v)`` to ``(B, N, H * d_v)``."""
+    b, h, n, dv = o.shape
+    return o.transpose(1, 2).reshape(b, n, h * dv)

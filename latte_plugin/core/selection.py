@@ -1,0 +1,110 @@
+"""Sensitivity-aware layer selection (spec section 7)."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "naive_sensitivity_score",
+    "SensitivityStats",
+    "num_linear_layers",
+    "select_by_score",
+    "greedy_select",
+]
+
+
+def naive_sensitivity_score(a: Tensor, a_tilde: Tensor, lam: float = 10.0, eps: float = 1e-8) -> float:
+    """``I = (1 - mean_i cos(a_i, a~_i)) + lam * ||A - A~||_F^2 / (T d)`` over rows ``a_i``.
+
+    Args:
+        a: original activations ``(..., d)``, all leading dims are tokens (B*N rows).
+        a_tilde: linearized activations, same shape.
+    """
+    a2, t2 = a.reshape(-1, a.shape[-1]).double(), a_tilde.reshape(-1, a.shape[-1]).double()
+    cos = (a2 * t2).sum(-1) / (a2.norm(dim=-1) * t2.norm(dim=-1) + eps)
+    mse = ((a2 - t2) ** 2).sum() / a2.numel()
+    return float((1 - cos.mean()) + lam * mse)
+
+
+class SensitivityStats:
+    """Streaming sums behind the sensitivity score, so memory does not grow with images.
+
+    ``update`` takes one batch's activations; ``sums`` is a float64 tensor
+    ``[sum cos, rows, sum sq err, elements]`` that can be all-reduced across ranks.
+    """
+
+    def __init__(self, eps: float = 1e-8) -> None:
+        self.eps = eps
+        self.sums = torch.zeros(4, dtype=torch.float64)
+
+    def update(self, a: Tensor, a_tilde: Tensor, valid: Optional[Tensor] = None) -> None:
+        """Adds a batch. ``a``/``a_tilde``: ``(B, N, d)``; ``valid``: ``(B, N)`` bool of real tokens."""
+        a2, t2 = a.reshape(-1, a.shape[-1]).double(), a_tilde.reshape(-1, a.shape[-1]).double()
+        if valid is not None:
+            keep = valid.reshape(-1)
+            a2, t2 = a2[keep], t2[keep]
+        cos = (a2 * t2).sum(-1) / (a2.norm(dim=-1) * t2.norm(dim=-1) + self.eps)
+        self.sums += torch.stack(
+            [cos.sum(), torch.tensor(float(a2.shape[0]), dtype=torch.float64), ((a2 - t2) ** 2).sum(),
+             torch.tensor(float(a2.numel()), dtype=torch.float64)]
+        ).cpu()
+
+    def score(self, lam: float = 10.0) -> float:
+        s = self.sums
+        if s[1] == 0:
+            raise ValueError("no tokens were scored; is the calibration set empty?")
+        return float((1 - s[0] / s[1]) + lam * s[2] / s[3])
+
+
+def num_linear_layers(num_candidates: int, ratio: Optional[float] = None, count: Optional[int] = None) -> int:
+    """How many candidates go linear: ``count`` if given, else ``ratio`` rounded half up.
+
+    Raises:
+        ValueError: ratio outside (0, 1], count outside [0, num_candidates], or neither given.
+    """
+    if count is not None:
+        if not 0 <= int(count) <= num_candidates:
+            raise ValueError(f"num_linear={count} must be between 0 and the {num_candidates} candidate layers")
+        return int(count)
+    if ratio is None:
+        raise ValueError("give either a ratio in (0, 1] or a layer count")
+    if not (0.0 < float(ratio) <= 1.0):
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    return int(math.floor(ratio * num_candidates + 0.5))
+
+
+def select_by_score(scores: dict[str, float], k: int) -> list[str]:
+    """The ``k`` least sensitive layers (ascending score; ties by name for determinism)."""
+    order = sorted(scores, key=lambda n: (scores[n], n))
+    return order[:k]
+
+
+def greedy_select(
+    candidates: Sequence[str], k: int, distortion: Callable[[list[str]], float]
+) -> tuple[list[str], list[dict]]:
+    """Global greedy selection: add one layer at a time, the one whose linearization hurts the final output least.
+
+    Args:
+        candidates: layer names.
+        k: layers to linearize.
+        distortion: maps a set of linear layers to the final-output error (lower is better).
+
+    Returns:
+        The chosen layers in the order they were added, and a trace ``[{step, added, distortion}]``.
+    """
+    chosen: list[str] = []
+    trace = []
+    for step in range(k):
+        best, best_d = None, math.inf
+        for name in candidates:
+            if name in chosen:
+                continue
+            d = distortion(chosen + [name])
+            if d < best_d or (d == best_d and best is not None and name < best):
+                best, best_d = name, d
+        chosen.append(best)
+        trace.append({"step": step + 1, "added": best, "distortion": best_d})
+    return chosen, trace

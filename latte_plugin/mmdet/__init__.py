@@ -1,0 +1,16 @@
+"""MMDetection adapter. Import it from a config:
+
+    custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
+
+It registers ``LATTEAttention`` (``MODELS``) and ``LinearizeHook`` (``HOOKS``), and lets
+``torch.load(weights_only=True)`` accept the few mmengine classes that Runner-saved
+checkpoints contain (see :mod:`.checkpoint`), so no unsafe loading is ever needed.
+"""
+from .attention import LATTEAttention
+from .calibrate import calibrate_detector, linearize_model
+from .checkpoint import register_safe_globals
+from .hook import LinearizeHook
+
+register_safe_globals()
+
+__all__ = ["LATTEAttention", "LinearizeHook", "calibrate_detector", "linearize_model", "register_safe_globals"]

@@ -1,0 +1,100 @@
+"""What ``tools/calibrate.py`` does for an mmdet config, as a function (tests call it too)."""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from ..core.flow import find_latte_layers, set_modes
+from ..core.io import atomic_torch_save, atomic_write_json
+from .calibrate import unwrap
+
+__all__ = ["run_calibration", "evaluate_bbox", "save_calibrated_checkpoint"]
+
+
+def _bbox(metrics: dict) -> dict:
+    def get(key: str) -> float:
+        for k, v in metrics.items():
+            if k.endswith(key):
+                return float(v)
+        raise KeyError(f"the evaluator reported no '{key}' (got {sorted(metrics)}); is it mmdet's CocoMetric?")
+
+    return {"bbox_mAP": get("bbox_mAP"), "bbox_mAP_50": get("bbox_mAP_50")}
+
+
+def evaluate_bbox(runner, linear: Sequence[str], mode: str = "linear") -> dict:
+    """Runs the Runner's own test loop (its evaluator) with ``linear`` layers in ``mode``, the rest exact."""
+    layers = find_latte_layers(unwrap(runner.model))
+    set_modes(layers, linear, mode)
+    return _bbox(runner.test())
+
+
+def save_calibrated_checkpoint(model: torch.nn.Module, report: dict, path: str) -> None:
+    """Writes ``{'meta': {'latte': ...}, 'state_dict': ...}`` atomically; tensors and plain types only."""
+    meta = {"latte": {k: report[k] for k in ("variant", "candidates", "linearized", "config")}}
+    state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+    atomic_torch_save({"meta": meta, "state_dict": state}, path)
+
+
+def run_calibration(
+    config: str,
+    checkpoint: Optional[str] = None,
+    work_dir: Optional[str] = None,
+    overrides: Optional[dict] = None,
+    evaluate: bool = False,
+    cfg_options: Sequence[str] = (),
+) -> dict:
+    """Builds the config's Runner, calibrates through its :class:`LinearizeHook`, saves, and evaluates.
+
+    Returns:
+        The report (also written to ``WORK_DIR/latte_report.json``) with ``metrics``,
+        ``retained`` and ``paths`` when evaluated.
+    """
+    from mmengine.config import Config, DictAction
+    from mmengine.runner import Runner
+
+    from .hook import LinearizeHook
+
+    cfg = Config.fromfile(config)
+    if cfg_options:
+        parser_action = DictAction(option_strings=[], dest="x")
+        opts = {}
+        for kv in cfg_options:
+            k, v = kv.split("=", 1)
+            opts[k] = parser_action._parse_iterable(v)
+        cfg.merge_from_dict(opts)
+    hooks = list(cfg.get("custom_hooks", []) or [])
+    idx = [i for i, h in enumerate(hooks) if h.get("type") in ("LinearizeHook", LinearizeHook)]
+    if not idx:
+        raise ValueError(f"{config} has no LinearizeHook in custom_hooks; inherit a latte config or add one")
+    hook_cfg = copy.deepcopy(hooks[idx[0]])
+    hook_cfg.update(overrides or {})
+    hook_cfg["calibrate"] = "always"
+    hooks[idx[0]] = hook_cfg
+    cfg.custom_hooks = hooks
+    cfg.work_dir = work_dir or cfg.get("work_dir") or os.path.join(
+        "work_dirs", os.path.splitext(os.path.basename(config))[0])
+    if checkpoint:
+        cfg.load_from = checkpoint
+    runner = Runner.from_cfg(cfg)
+    hook = LinearizeHook.find(runner)
+    hook.before_run(runner)
+    runner.load_or_resume()
+    report = hook.run_calibration(runner)
+    hook.calibrate = "never"  # later test() calls reuse this state
+
+    ckpt_path = os.path.join(runner.work_dir, "latte_calibrated.pth")
+    report_path = os.path.join(runner.work_dir, "latte_report.json")
+    save_calibrated_checkpoint(runner.model, report, ckpt_path)
+    if evaluate:
+        linear, mode = list(report["linearized"]), hook.latte_cfg.mode
+        exact = evaluate_bbox(runner, [])
+        lin = evaluate_bbox(runner, linear, mode)
+        set_modes(find_latte_layers(unwrap(runner.model)), linear, mode)
+        report["metrics"] = {"exact": exact, "linearized": lin}
+        report["retained"] = lin["bbox_mAP"] / exact["bbox_mAP"] if exact["bbox_mAP"] > 0 else float("nan")
+    report["paths"] = {"report": report_path, "checkpoint": ckpt_path}
+    atomic_write_json(report, report_path)
+    return report

@@ -1,0 +1,194 @@
+"""Calibration, selection and the whole core flow on a plain-PyTorch toy encoder."""
+import copy
+import math
+
+import pytest
+import torch
+
+from latte_plugin.core import (LatteConfig, LatteMultiheadAttention, LayerRecorder, calibrate_model,
+                               find_latte_layers, fit_layer, naive_sensitivity_score, num_linear_layers,
+                               select_by_score, set_modes, swap_attention)
+from latte_plugin.core.flops import exact_attention_flops, layer_flops, linear_attention_flops
+from latte_plugin.core.selection import SensitivityStats, greedy_select
+from tests.toy import ToyEncoder, toy_batches
+
+
+def _record(model, batches, name):
+    layer = find_latte_layers(model)[name]
+    rec = LayerRecorder(name, max_items=64, max_queries=32, seed=0)
+    layer.recorder = rec
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    layer.recorder = None
+    return layer, rec
+
+
+@pytest.mark.parametrize("variant", ["latte", "tte_only", "jpn_only", "qtvit"])
+def test_fit_lowers_reconstruction_error_and_is_deterministic(variant):
+    results = []
+    for _ in range(2):
+        model = ToyEncoder().eval()
+        swap_attention(model, ["layers.*.attn"], variant)
+        layer, rec = _record(model, toy_batches(), "layers.2.attn")
+        layer.variant = variant
+        res = fit_layer(layer, rec.items, steps=80, lr=0.05)
+        assert res.final_mse < res.initial_mse, (variant, res)
+        results.append((float(layer.m), float(layer.log_rho), layer.sigma.clone(), res.final_mse))
+    assert results[0][:2] == results[1][:2] and torch.equal(results[0][2], results[1][2])
+
+
+def test_recorder_memory_is_bounded():
+    model = ToyEncoder().eval()
+    swap_attention(model, ["layers.0.attn"])
+    _, rec = _record(model, toy_batches(n=20, b=3), "layers.0.attn")
+    assert rec.seen == 60 and len(rec.items) == 60
+    rec2 = LayerRecorder("x", max_items=5, max_queries=7)
+    layer = find_latte_layers(model)["layers.0.attn"]
+    layer.recorder = rec2
+    with torch.no_grad():
+        for b in toy_batches(n=20, b=3):
+            model(b)
+    assert rec2.seen == 60 and len(rec2.items) == 5 and all(it.q.shape[1] == 7 for it in rec2.items)
+
+
+def test_recorder_rejects_nan_with_layer_name():
+    rec = LayerRecorder("encoder.layers.3.self_attn")
+    q = torch.zeros(1, 2, 4, 8)
+    q[0, 0, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="encoder.layers.3.self_attn"):
+        rec(q, q, q, None, q)
+
+
+def test_sensitivity_score_matches_hand_computation():
+    a = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    at = torch.tensor([[1.0, 1.0], [0.0, 2.0]])
+    # cos: row0 = 1/sqrt(2), row1 = 1; mean = (1/sqrt2 + 1)/2; mse = 1/4
+    expect = (1 - (1 / math.sqrt(2) + 1) / 2) + 10 * (1.0 / 4)
+    assert naive_sensitivity_score(a, at, lam=10) == pytest.approx(expect, rel=1e-7)
+    st = SensitivityStats()
+    st.update(a[None, :1], at[None, :1])
+    st.update(a[None, 1:], at[None, 1:])
+    assert st.score(10) == pytest.approx(expect, rel=1e-7)
+
+
+def test_selection_by_ratio_and_count():
+    assert num_linear_layers(6, ratio=0.67) == 4
+    assert num_linear_layers(7, ratio=0.67) == 5
+    assert num_linear_layers(6, ratio=0.83) == 5
+    assert num_linear_layers(6, count=2) == 2
+    for bad in (0.0, -0.1, 1.01):
+        with pytest.raises(ValueError, match="ratio"):
+            num_linear_layers(6, ratio=bad)
+    with pytest.raises(ValueError, match="num_linear=7"):
+        num_linear_layers(6, count=7)
+    assert select_by_score({"a": 0.3, "b": 0.1, "c": 0.2}, 2) == ["b", "c"]
+
+
+def test_greedy_select_picks_least_harmful_first():
+    cost = {"a": 3.0, "b": 1.0, "c": 2.0}
+    chosen, trace = greedy_select(list(cost), 2, lambda s: sum(cost[n] for n in s))
+    assert chosen == ["b", "c"] and [t["distortion"] for t in trace] == [1.0, 3.0]
+
+
+def _flow(cfg, seed=0):
+    model = ToyEncoder(seed=seed).eval()
+    swap_attention(model, cfg.candidates, cfg.variant)
+    rep = calibrate_model(model, toy_batches(), lambda b: model(b), cfg, log=lambda s: None)
+    return model, rep
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize("selection", ["score", "greedy"])
+def test_flow_end_to_end(sequential, selection):
+    cfg = LatteConfig(candidates=["layers.*.attn"], ratio=0.67, steps=40, sequential=sequential, selection=selection)
+    model, rep = _flow(cfg)
+    layers = find_latte_layers(model)
+    assert rep["candidates"] == [f"layers.{i}.attn" for i in range(6)]
+    assert len(rep["linearized"]) == 4 and set(rep["linearized"]) <= set(rep["candidates"])
+    assert {n for n, l in layers.items() if l.mode == "linear"} == set(rep["linearized"])
+    assert all(bool(l.calibrated) for l in layers.values())
+    assert set(rep["params"]["layers.0.attn"]) == {"alpha", "delta_q", "delta_k", "beta_q", "beta_k"}
+    assert rep["attention_gflops"]["linearized"] < rep["attention_gflops"]["exact"]
+    if selection == "score":
+        ranked = sorted(rep["sensitivity"], key=rep["sensitivity"].get)[:4]
+        assert set(ranked) == set(rep["linearized"])
+    # the same seed and data give the identical report
+    _, rep2 = _flow(cfg)
+    assert rep2 == rep
+
+
+def test_hybrid_is_closer_to_exact_than_uncalibrated():
+    cfg = LatteConfig(candidates=["layers.*.attn"], ratio=0.67, steps=60)
+    model, rep = _flow(cfg)
+    batches = toy_batches(seed=7)
+    layers = find_latte_layers(model)
+    with torch.no_grad():
+        set_modes(layers, [])
+        ref = [model(b) for b in batches]
+        set_modes(layers, rep["linearized"])
+        hyb = sum(float(((model(b) - r) ** 2).mean()) for b, r in zip(batches, ref))
+        raw = copy.deepcopy(model)
+        for l in find_latte_layers(raw).values():  # same layers, scalars at their defaults
+            l.m.fill_(1.0), l.log_rho.fill_(0.0), l.sigma.fill_(1.0)
+        unc = sum(float(((raw(b) - r) ** 2).mean()) for b, r in zip(batches, ref))
+    assert hyb < unc
+
+
+def test_flops_counts_and_ratio_at_1k():
+    n, d, h = 1000, 32, 8
+    assert exact_attention_flops(n, n, d, d, h) == h * (2 * n * n * d * 2 + 3 * n * n)
+    ratio = layer_flops(n, n, d * h, h, False) / layer_flops(n, n, d * h, h, True)
+    assert ratio > 15
+    assert linear_attention_flops(2 * n, 2 * n, d, d, h) == pytest.approx(2 * linear_attention_flops(n, n, d, d, h), rel=0.01)
+
+
+def test_exact_mode_is_bit_identical_to_torch_mha():
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=False)
+    lat = LatteMultiheadAttention.from_torch(copy.deepcopy(mha))
+    x = torch.randn(10, 3, 32)
+    kpm = torch.zeros(3, 10, dtype=torch.bool)
+    kpm[2, 6:] = True
+    assert torch.equal(mha(x, x, x, key_padding_mask=kpm)[0], lat(x, x, x, key_padding_mask=kpm)[0])
+    lat.latte.recorder = lambda *a: None  # our own projection path, exact mode
+    torch.testing.assert_close(lat(x, x, x, key_padding_mask=kpm)[0], mha(x, x, x, key_padding_mask=kpm)[0],
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_modes_and_bad_settings():
+    lat = LatteMultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 9, 16)
+    exact = lat(x, x, x)[0]
+    lat.latte.mode = "dynamic"
+    lat.latte.threshold.fill_(10)  # 9 keys < 10: softmax
+    torch.testing.assert_close(lat(x, x, x)[0], exact, atol=1e-6, rtol=1e-6)
+    lat.latte.threshold.fill_(5)
+    assert not torch.allclose(lat(x, x, x)[0], exact, atol=1e-4)
+    with pytest.raises(ValueError, match="attention mask"):
+        lat(x, x, x, attn_mask=torch.ones(9, 9, dtype=torch.bool).triu(1))
+    with pytest.raises(ValueError, match="alpha must be"):
+        lat.latte.set_alpha(1.5)
+    with pytest.raises(ValueError, match="unknown attention mode"):
+        lat.latte.mode = "fast"
+    with pytest.raises(ValueError, match="matches no attention module"):
+        swap_attention(ToyEncoder(), ["encoder.*"])
+    with pytest.raises(ValueError, match="empty calibration set"):
+        m = ToyEncoder()
+        swap_attention(m, ["layers.*.attn"])
+        calibrate_model(m, [], lambda b: m(b), LatteConfig(candidates=["layers.*.attn"]))
+    with pytest.raises(ValueError, match="unknown LATTE setting"):
+        LatteConfig.from_dict({"ratioo": 0.5})
+
+
+def test_state_dict_round_trip_restores_hybrid(tmp_path):
+    cfg = LatteConfig(candidates=["layers.*.attn"], ratio=0.5, steps=20)
+    model, rep = _flow(cfg)
+    path = tmp_path / "ckpt.pth"
+    torch.save(model.state_dict(), path)
+    fresh = ToyEncoder(seed=3)
+    swap_attention(fresh, cfg.candidates)
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    x = toy_batches(n=1)[0]
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(x), model(x))
+    assert {n for n, l in find_latte_layers(fresh).items() if l.mode == "linear"} == set(rep["linearized"])
