@@ -21,3 +21,42 @@ def qkv(b=2, h=4, n=37, m=None, d=16, dv=None, dtype=torch.float32, scale=1.0):
     k = torch.randn(b, h, m, d, generator=g) * scale
     v = torch.randn(b, h, m, dv, generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def require(module: str):
+    """Imports an optional framework or skips with a reason. Under CI (CI=true) the README
+    installs mmdet, so a missing mmdet stack there is a failure, not a skip."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+        if os.environ.get("CI") and module.split(".")[0] in ("mmdet", "mmcv", "mmengine"):
+            pytest.fail(f"{module} must be installed in CI (tools/setup_env.sh installs it): {e}")
+        pytest.skip(f"{module} is not installed: {e}")
+
+
+TINY_CFG = os.path.join(ROOT, "configs", "mmdet", "detr_tiny_latte_synthetic.py")
+
+
+@pytest.fixture(scope="session")
+def synthetic_data(tmp_path_factory):
+    from latte_plugin.data.synthetic import make_synthetic_coco
+
+    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic")), num_train=8, num_val=4, size=128, seed=0)
+
+
+def tiny_cfg(data_root: str, work_dir: str, **hook):
+    """The tiny DETR config pointed at ``data_root``, with LinearizeHook settings overridden."""
+    from mmengine.config import Config
+
+    cfg = Config.fromfile(TINY_CFG)
+    root = data_root.rstrip("/") + "/"
+    for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
+        cfg[key]["dataset"]["data_root"] = root
+    for key in ("val_evaluator", "test_evaluator"):
+        cfg[key]["ann_file"] = root + "annotations/instances_val.json"
+    cfg.custom_hooks[0].update(hook)
+    cfg.work_dir = work_dir
+    cfg.default_hooks.checkpoint = None
+    return cfg

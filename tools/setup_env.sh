@@ -2,15 +2,17 @@
 # Creates (or reuses) the project's virtual environment and prints its path on the last line.
 #
 # The venv lives outside the clone (CI uses a fresh clone every time) under
-# ${LATTE_CACHE:-~/.cache/latte-plugin}, keyed by a hash of the pinned requirements, so a
-# warm machine reuses it. The mmcv 2.1.0 wheel (a ~13 minute compile of its ops) is built
-# once and kept in the same cache, so even a new venv does not compile it again.
+# ${LATTE_CACHE:-~/.cache/latte-plugin}, keyed by a hash of tools/requirements.txt and
+# SETUP_REV below, so a warm machine reuses it. The mmcv 2.1.0 wheel (a ~13 minute compile
+# of its CPU ops) is built once and kept in the same cache, so even a new venv does not
+# compile it again. Bump SETUP_REV when the steps below change what gets installed.
 set -euo pipefail
+SETUP_REV=1
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${LATTE_CACHE:-$HOME/.cache/latte-plugin}"
 py="${LATTE_PYTHON:-python3.11}"
 command -v "$py" >/dev/null || py=python3
-key="$(cat "$here/tools/requirements.txt" "$here/tools/setup_env.sh" | sha256sum | cut -c1-12)"
+key="$( (cat "$here/tools/requirements.txt"; echo "rev=$SETUP_REV") | sha256sum | cut -c1-12)"
 venv="${LATTE_VENV:-$cache/venv-$key}"
 wheels="$cache/wheels"
 log() { echo "[setup_env] $*" >&2; }
@@ -18,29 +20,35 @@ log() { echo "[setup_env] $*" >&2; }
 if [ -f "$venv/.latte-ready" ]; then
   log "reusing $venv"
 else
-  log "creating $venv (fresh set-up: about 20 minutes, most of it the mmcv compile)"
-  rm -rf "$venv"
   mkdir -p "$cache" "$wheels"
+  pip_log="$cache/setup-$key.log"
+  log "creating $venv (fresh set-up: about 20 minutes, most of it the mmcv compile; pip log: $pip_log)"
+  : > "$pip_log"
+  rm -rf "$venv"
   "$py" -m venv "$venv"
-  pip="$venv/bin/python -m pip"
+  pip() { "$venv/bin/python" -m pip "$@" >>"$pip_log" 2>&1 || { tail -n 40 "$pip_log" >&2; log "pip $* failed"; exit 1; }; }
   # mmcv's setup.py imports pkg_resources (setuptools<70); pip<26 still builds it.
-  $pip install -q "pip<26" wheel "setuptools<70" ninja
-  $pip install -q -r "$here/tools/requirements.txt"
+  pip install "pip<26" wheel "setuptools<70" ninja
+  log "installing torch 2.9.1, mmengine, transformers, ... (tools/requirements.txt)"
+  pip install -r "$here/tools/requirements.txt"
   mmcv_whl="$(ls "$wheels"/mmcv-2.1.0-*.whl 2>/dev/null | head -n1 || true)"
   if [ -z "$mmcv_whl" ]; then
     log "compiling mmcv 2.1.0 with its CPU ops (about 13 minutes on 2 cores)"
     tmpw="$(mktemp -d)"
     MMCV_WITH_OPS=1 FORCE_CUDA=0 MAX_JOBS="${MAX_JOBS:-2}" \
-      $pip wheel -q --no-build-isolation --no-deps -w "$tmpw" mmcv==2.1.0
+      pip wheel --no-build-isolation --no-deps -w "$tmpw" mmcv==2.1.0
     mv "$tmpw"/mmcv-2.1.0-*.whl "$wheels"/
     mmcv_whl="$(ls "$wheels"/mmcv-2.1.0-*.whl | head -n1)"
+  else
+    log "reusing the compiled $(basename "$mmcv_whl")"
   fi
-  $pip install -q --no-deps "$mmcv_whl"
-  $pip install -q mmdet==3.3.0 "numpy<2" "opencv-python==4.10.0.84"
-  "$venv/bin/python" -c "import mmcv.ops, mmdet.models, torch; print('mmcv ops OK, torch', torch.__version__)" >&2
+  pip install --no-deps "$mmcv_whl"
+  pip install mmdet==3.3.0 -r "$here/tools/requirements.txt"
+  "$venv/bin/python" -c "import mmcv.ops, mmdet.models, torch; print('[setup_env] mmcv ops OK, torch', torch.__version__)" >&2
   touch "$venv/.latte-ready"
 fi
 # The package itself is installed editable from this checkout on every call (seconds),
 # so a venv shared between clones always points at the clone being run.
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >&2
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >/dev/null 2>&1 \
+  || "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e "$here" >&2
 echo "$venv"

@@ -9,7 +9,8 @@ embed_dims = 64
 model = dict(
     num_queries=20,
     data_preprocessor=dict(pad_size_divisor=32),
-    backbone=dict(depth=18, num_stages=3, out_indices=(2, ), frozen_stages=-1, init_cfg=None),
+    backbone=dict(depth=18, num_stages=3, strides=(1, 2, 2), dilations=(1, 1, 1), out_indices=(2, ),
+                  frozen_stages=-1, init_cfg=None),
     neck=dict(in_channels=[256], out_channels=embed_dims),
     encoder=dict(
         num_layers=6,

@@ -22,11 +22,12 @@ class LinearizeHook(Hook):
     """Makes the model a LATTE hybrid before it is validated or tested.
 
     * ``before_run``: installs LATTE cores in the candidate modules, *before* the Runner
-      loads ``load_from``, so a calibrated checkpoint restores its LATTE state.
-    * ``before_val_epoch`` / ``before_test_epoch`` (priority ``LOW``, after ``EMAHook`` has
-      swapped in the EMA weights): if the model holds no calibrated state yet, calibrates
-      on ``num_images`` train images, all-reduces across ranks, selects the layers, and
-      writes ``latte_report.json`` to the work dir.
+      loads ``load_from`` (so a calibrated checkpoint restores its LATTE state) and before
+      ``EMAHook`` (priority 49) copies the model, so the EMA copy has the same structure.
+    * first ``before_val_iter`` / ``before_test_iter`` of each loop run: by then
+      ``EMAHook.before_*_epoch`` has swapped in the EMA weights. If the model holds no
+      calibrated state yet, calibrates on ``num_images`` train images, all-reduces across
+      ranks, selects the layers, and writes ``latte_report.json`` to the work dir.
 
     Args:
         candidates: module-name patterns of the attention modules that may go linear.
@@ -38,7 +39,7 @@ class LinearizeHook(Hook):
             (``ratio``, ``num_linear``, ``variant``, ``num_images``, ``sequential``, ...).
     """
 
-    priority = "LOW"
+    priority = "ABOVE_NORMAL"
 
     def __init__(
         self,
@@ -57,16 +58,24 @@ class LinearizeHook(Hook):
         self.calib_pipeline = calib_pipeline
         self.calib_batch_size = int(calib_batch_size)
         self.report: Optional[dict] = None
+        self._pending = False
 
     def before_run(self, runner) -> None:
         names = linearize_model(runner.model, self.latte_cfg)
         print_log(f"[latte] {len(names)} candidate attention layer(s): {', '.join(names)}", logger="current")
 
     def before_val_epoch(self, runner) -> None:
-        self._ensure_calibrated(runner)
+        self._pending = True
 
     def before_test_epoch(self, runner) -> None:
-        self._ensure_calibrated(runner)
+        self._pending = True
+
+    def before_val_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        if self._pending:
+            self._pending = False
+            self._ensure_calibrated(runner)
+
+    before_test_iter = before_val_iter
 
     def _ensure_calibrated(self, runner) -> None:
         linearize_model(runner.model, self.latte_cfg)

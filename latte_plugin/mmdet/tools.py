@@ -9,6 +9,7 @@ import torch
 
 from ..core.flow import find_latte_layers, set_modes
 from ..core.io import atomic_torch_save, atomic_write_json
+from ..viz import plot_sensitivity
 from .calibrate import unwrap
 
 __all__ = ["run_calibration", "evaluate_bbox", "save_calibrated_checkpoint"]
@@ -96,5 +97,8 @@ def run_calibration(
         report["metrics"] = {"exact": exact, "linearized": lin}
         report["retained"] = lin["bbox_mAP"] / exact["bbox_mAP"] if exact["bbox_mAP"] > 0 else float("nan")
     report["paths"] = {"report": report_path, "checkpoint": ckpt_path}
+    plot = plot_sensitivity(report, os.path.join(runner.work_dir, "latte_sensitivity.png"))
+    if plot:
+        report["paths"]["sensitivity_plot"] = plot
     atomic_write_json(report, report_path)
     return report

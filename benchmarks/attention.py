@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Latency of LATTE linear attention vs SDPA vs naive softmax, side by side in one run.
+
+    python benchmarks/attention.py [--dtype fp32 bf16] [--ns 128 256 ... 32768] [--json out.json] [--plot out.png]
+
+Per N (batch 1, 8 heads of 32 by default) it reports the best of ``--reps`` runs of:
+``latte`` (feature maps + JPN + linear attention, the inference path of a calibrated
+layer), ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention``), ``naive``
+(materialised softmax, skipped above ``--naive-max``), and ``memcpy`` (copying q, k, v
+in and o out: the memory roofline). Ratios are measured in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import tracemalloc
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from latte_plugin.core import kernels as K  # noqa: E402
+from latte_plugin.core.flops import exact_attention_flops, linear_attention_flops  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def best_time(fn, reps: int, min_time: float = 0.05) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            el = time.perf_counter() - t0
+            if el >= min_time or n >= 50:
+                break
+        best = min(best, el / n)
+    return best
+
+
+def peak_mem(fn) -> int:
+    """Peak extra bytes the call allocates (CPU, via torch's allocator statistics when available)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    tracemalloc.start()
+    fn()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ns", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--naive-max", type=int, default=4096)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    a = p.parse_args(argv)
+    rows = []
+    print(f"device={a.device} threads={torch.get_num_threads()} heads={a.heads} head_dim={a.head_dim}")
+    print(f"{'dtype':5s} {'N':>6s} {'latte ms':>9s} {'sdpa ms':>9s} {'naive ms':>9s} {'memcpy ms':>9s} "
+          f"{'sdpa/latte':>10s} {'latte/memcpy':>12s} {'FLOP ratio':>10s}")
+    for dname in a.dtype:
+        dt = DTYPES[dname]
+        for n in a.ns:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q, k, v = (torch.randn(1, a.heads, n, a.head_dim, generator=g).to(a.device, dt) for _ in range(3))
+            m, delta = torch.tensor(0.6, device=a.device, dtype=dt), 2.0
+
+            def latte():
+                fq, fk = K.variant_features(q, k, "latte", m, delta, delta, 1.0, 1.0)
+                return K.linear_attention(fq, fk, v)
+
+            def sdpa():
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+            def naive():
+                return K.naive_softmax_attention(q, k, v)
+
+            src = torch.cat([q, k, v, v]).contiguous()
+            dst = torch.empty_like(src)
+
+            def memcpy():
+                dst.copy_(src)
+
+            sync = (lambda: torch.cuda.synchronize()) if a.device.startswith("cuda") else (lambda: None)
+            with torch.no_grad():
+                t = {name: best_time(lambda f=f: (f(), sync()), a.reps)
+                     for name, f in (("latte", latte), ("sdpa", sdpa), ("memcpy", memcpy))}
+                t["naive"] = best_time(lambda: (naive(), sync()), a.reps) if n <= a.naive_max else float("nan")
+                mem = {"latte": peak_mem(latte), "sdpa": peak_mem(sdpa)}
+            fl = exact_attention_flops(n, n, a.head_dim, a.head_dim, a.heads) / linear_attention_flops(
+                n, n, a.head_dim, a.head_dim, a.heads)
+            row = dict(dtype=dname, n=n, latte_ms=1e3 * t["latte"], sdpa_ms=1e3 * t["sdpa"],
+                       naive_ms=1e3 * t["naive"], memcpy_ms=1e3 * t["memcpy"],
+                       speedup_vs_sdpa=t["sdpa"] / t["latte"], latte_over_memcpy=t["latte"] / t["memcpy"],
+                       flop_ratio=fl, peak_bytes_latte=mem["latte"], peak_bytes_sdpa=mem["sdpa"])
+            rows.append(row)
+            print(f"{dname:5s} {n:6d} {row['latte_ms']:9.3f} {row['sdpa_ms']:9.3f} {row['naive_ms']:9.3f} "
+                  f"{row['memcpy_ms']:9.3f} {row['speedup_vs_sdpa']:10.2f} {row['latte_over_memcpy']:12.1f} "
+                  f"{fl:10.1f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": a.device, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for dname in a.dtype:
+            rs = [r for r in rows if r["dtype"] == dname]
+            for key, style in (("latte_ms", "-o"), ("sdpa_ms", "--s"), ("memcpy_ms", ":")):
+                ax.plot([r["n"] for r in rs], [r[key] for r in rs], style, label=f"{key[:-3]} {dname}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N")
+        ax.set_ylabel("ms (best of reps)")
+        ax.set_title(f"attention latency, {a.heads}x{a.head_dim}, {a.device}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=110)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

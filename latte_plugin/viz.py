@@ -1,0 +1,34 @@
+"""Plots users would rather look at than read (matplotlib, headless)."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def plot_sensitivity(report: dict, path: str, title: Optional[str] = None) -> Optional[str]:
+    """Bar chart of each candidate layer's sensitivity score, linearized layers highlighted.
+
+    Returns the path written, or None when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - optional dependency
+        return None
+    names = report["candidates"]
+    scores = [report["sensitivity"][n] for n in names]
+    colors = ["tab:blue" if n in report["linearized"] else "tab:gray" for n in names]
+    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(names) + 2), 3.4))
+    ax.bar(range(len(names)), scores, color=colors)
+    ax.set_xticks(range(len(names)), [n.replace(".self_attn", "").replace("layers.", "") for n in names],
+                  rotation=45, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("sensitivity I_l (log)")
+    ax.set_title(title or f"LATTE per-layer sensitivity ({report['variant']}; blue = linear)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,155 @@
+"""The MMDetection path: drop-in attention, config-driven swap, the hook in a real Runner,
+tools/calibrate.py with CocoMetric, and reloading a calibrated checkpoint."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, TINY_CFG, require, tiny_cfg
+
+require("mmcv.ops")
+require("mmdet.models")
+import latte_plugin.mmdet  # noqa: E402,F401  (registers LATTEAttention / LinearizeHook)
+from latte_plugin.core import find_latte_layers, set_modes  # noqa: E402
+
+
+def _build(cfg_model):
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+
+    register_all_modules()
+    torch.manual_seed(0)
+    return MODELS.build(copy.deepcopy(cfg_model)).eval()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_latte_attention_is_a_drop_in_for_mmcv(batch_first):
+    from mmcv.cnn.bricks.transformer import MultiheadAttention
+    from mmdet.registry import MODELS
+
+    ref = MultiheadAttention(64, 4, batch_first=batch_first).eval()
+    lat = MODELS.build(dict(type="LATTEAttention", embed_dims=64, num_heads=4, batch_first=batch_first)).eval()
+    missing, unexpected = lat.load_state_dict(ref.state_dict(), strict=False)
+    assert not unexpected and all(".latte." in k for k in missing)  # checkpoint loads unchanged
+    shape = (2, 30, 64) if batch_first else (30, 2, 64)
+    x, pos = torch.randn(shape), torch.randn(shape)
+    kpm = torch.zeros(2, 30, dtype=torch.bool)
+    kpm[1, 20:] = True
+    with torch.no_grad():
+        a = ref(x, query_pos=pos, key_padding_mask=kpm)
+        b = lat(x, query_pos=pos, key_padding_mask=kpm)
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+        lat.latte.recorder = lambda *args: None  # force our own exact path
+        torch.testing.assert_close(lat(x, query_pos=pos, key_padding_mask=kpm), a, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("base", [
+    "mmdet::detr/detr_r50_8xb2-150e_coco.py",
+    "mmdet::conditional_detr/conditional-detr_r50_8xb2-50e_coco.py",
+    "mmdet::dab_detr/dab-detr_r50_8xb2-50e_coco.py",
+])
+def test_config_swap_on_detr_family(base):
+    from mmengine.config import Config
+
+    from latte_plugin.core.flow import LatteConfig
+    from latte_plugin.mmdet import linearize_model
+
+    import mmdet
+
+    cfg = Config.fromfile(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", base.split("::")[1]))
+    cfg.model.backbone.init_cfg = None
+    model = _build(cfg.model)
+    x = torch.randn(1, 3, 96, 128)
+    from mmdet.structures import DetDataSample
+
+    ds = DetDataSample(metainfo=dict(img_shape=(96, 128), batch_input_shape=(96, 128), pad_shape=(96, 128)))
+    with torch.no_grad():
+        before = model(x, [ds], mode="tensor")
+        names = linearize_model(model, LatteConfig(candidates=["encoder.layers.*.self_attn"]))
+        assert names == [f"encoder.layers.{i}.self_attn" for i in range(6)]
+        after = model(x, [ds], mode="tensor")
+        for a, b in zip(before, after):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        set_modes(find_latte_layers(model), names)
+        lin = model(x, [ds], mode="tensor")
+    assert not torch.allclose(lin[0], before[0])
+
+
+def test_hook_calibrates_inside_a_real_runner(synthetic_data, tmp_path):
+    from mmengine.runner import Runner
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=4, steps=20)
+    runner = Runner.from_cfg(cfg)
+    metrics = runner.test()
+    assert "coco/bbox_mAP" in metrics and 0.0 <= metrics["coco/bbox_mAP"] <= 1.0
+    layers = find_latte_layers(runner.model)
+    assert len(layers) == 6 and all(bool(l.calibrated) for l in layers.values())
+    assert sum(l.mode == "linear" for l in layers.values()) == 4
+    report = json.load(open(tmp_path / "latte_report.json"))
+    assert sorted(report["linearized"]) == sorted(n for n, l in layers.items() if l.mode == "linear")
+
+
+def test_calibrate_tool_eval_and_checkpoint_reload(synthetic_data, tmp_path):
+    from mmengine.runner import Runner
+
+    from latte_plugin.mmdet.tools import run_calibration
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20)
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"), evaluate=True,
+                             overrides=dict(ratio=0.5))
+    saved = json.load(open(report["paths"]["report"]))
+    for key in ("variant", "candidates", "sensitivity", "linearized", "params", "metrics", "retained",
+                "attention_gflops"):
+        assert key in saved, key
+    assert set(saved["metrics"]) == {"exact", "linearized"}
+    assert set(saved["metrics"]["exact"]) == {"bbox_mAP", "bbox_mAP_50"}
+    assert len(saved["linearized"]) == 3
+    assert set(saved["params"][saved["candidates"][0]]) == {"alpha", "delta_q", "delta_k", "beta_q", "beta_k"}
+    assert saved["attention_gflops"]["linearized"] < saved["attention_gflops"]["exact"]
+    ckpt = torch.load(report["paths"]["checkpoint"], weights_only=True)  # no pickled code
+    assert any(k.endswith("attn.latte.m") for k in ckpt["state_dict"])
+
+    # A fresh Runner on the same config + calibrated checkpoint restores the hybrid without recalibrating.
+    cfg2 = tiny_cfg(synthetic_data, str(tmp_path / "reload"), calibrate="never")
+    cfg2.load_from = report["paths"]["checkpoint"]
+    runner = Runner.from_cfg(cfg2)
+    metrics = runner.test()
+    assert not os.path.exists(tmp_path / "reload" / "latte_report.json")  # no recalibration happened
+    layers = find_latte_layers(runner.model)
+    assert sorted(n for n, l in layers.items() if l.mode == "linear") == sorted(saved["linearized"])
+    assert metrics["coco/bbox_mAP"] == pytest.approx(saved["metrics"]["linearized"]["bbox_mAP"], abs=1e-9)
+
+
+def test_never_calibrate_without_latte_state_is_a_clear_error(synthetic_data, tmp_path):
+    from mmengine.runner import Runner
+
+    runner = Runner.from_cfg(tiny_cfg(synthetic_data, str(tmp_path), calibrate="never"))
+    with pytest.raises(ValueError, match="no LATTE state"):
+        runner.test()
+
+
+def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
+    """mmdet's own tools/test.py on the calibrated checkpoint prints the linearized bbox_mAP."""
+    import mmdet
+
+    from latte_plugin.mmdet.tools import run_calibration
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20)
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"), evaluate=True)
+    test_py = os.path.join(os.path.dirname(mmdet.__file__), ".mim", "tools", "test.py")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, test_py, str(cfg_path), report["paths"]["checkpoint"],
+                          "--work-dir", str(tmp_path / "t")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "using the calibrated LATTE state" in text
+    expect = f"coco/bbox_mAP: {report['metrics']['linearized']['bbox_mAP']:.4f}"
+    assert expect in text, text[-2000:]
