@@ -24,11 +24,11 @@ model = dict(
             cross_attn_cfg=dict(embed_dims=embed_dims, num_heads=4, dropout=0.0),
             ffn_cfg=dict(embed_dims=embed_dims, feedforward_channels=128, ffn_drop=0.0))),
     positional_encoding=dict(num_feats=embed_dims // 2),
-    bbox_head=dict(num_classes=3, embed_dims=embed_dims),
+    bbox_head=dict(num_classes=4, embed_dims=embed_dims),
     test_cfg=dict(max_per_img=20))
 
 data_root = 'data/synthetic/'
-metainfo = dict(classes=('square', 'disc', 'triangle'))
+metainfo = dict(classes=('square-red', 'square-blue', 'disc-red', 'disc-blue'))
 backend_args = None
 image_size = 256
 train_pipeline = [

@@ -1,7 +1,9 @@
 """A deterministic generator of small COCO-format detection splits.
 
-Images hold filled shapes (square, disc, triangle) on a textured background. The same
-seed gives the same bytes (PNG via OpenCV, JSON with sorted keys). No download.
+Images hold light-grey squares and discs on a dark textured background, plus one small
+red or blue *key* marker away from them. An object's class is its shape *and* the key's
+colour (4 classes), so labels depend on long-range context. The same seed gives the same
+bytes (PNG via OpenCV, JSON with sorted keys). No download.
 
 Usage: ``python -m latte_plugin.data.synthetic OUT_DIR [--train 64] [--val 32] [--size 256]``
 writes ``OUT_DIR/{train,val}/*.png`` and ``OUT_DIR/annotations/instances_{train,val}.json``.
@@ -15,20 +17,29 @@ from typing import Sequence
 
 import numpy as np
 
-CLASSES = ("square", "disc", "triangle")
+#: Object class = shape x context. The context is the colour of one small key marker
+#: placed elsewhere in the image, so naming an object needs information from far away:
+#: the encoder's global attention is what carries it (see README, "embedded default").
+SHAPES = ("square", "disc")
+CONTEXTS = ("red", "blue")
+CLASSES = tuple(f"{s}-{c}" for s in SHAPES for c in CONTEXTS)
+_KEY_BGR = {"red": (40, 40, 230), "blue": (230, 60, 40)}
 
 
-def _draw(img: np.ndarray, cls: int, x0: int, y0: int, s: int, color: Sequence[int]) -> None:
+def _overlaps(box, boxes, margin: int = 4) -> bool:
+    x0, y0, s0 = box
+    return any(not (x0 + s0 + margin <= x or x + s + margin <= x0 or y0 + s0 + margin <= y or y + s + margin <= y0)
+               for x, y, s in boxes)
+
+
+def _draw(img: np.ndarray, shape: str, x0: int, y0: int, s: int, color: Sequence[int]) -> None:
     import cv2
 
     color = tuple(int(c) for c in color)
-    if cls == 0:
+    if shape == "square":
         cv2.rectangle(img, (x0, y0), (x0 + s - 1, y0 + s - 1), color, thickness=-1)
-    elif cls == 1:
-        cv2.circle(img, (x0 + s // 2, y0 + s // 2), s // 2, color, thickness=-1)
     else:
-        pts = np.array([[x0 + s // 2, y0], [x0, y0 + s - 1], [x0 + s - 1, y0 + s - 1]], dtype=np.int32)
-        cv2.fillPoly(img, [pts], color)
+        cv2.circle(img, (x0 + s // 2, y0 + s // 2), s // 2, color, thickness=-1, lineType=cv2.LINE_AA)
 
 
 def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.Generator) -> None:
@@ -38,26 +49,35 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
     os.makedirs(img_dir, exist_ok=True)
     images, annotations = [], []
     ann_id = 1
+    key_size = max(8, size // 14)
     for i in range(num_images):
-        noise = rng.integers(0, 40, size=(size // 8, size // 8, 3), dtype=np.uint8)
-        img = cv2.resize(noise, (size, size), interpolation=cv2.INTER_LINEAR)
-        boxes: list[tuple[int, int, int, int]] = []
+        noise = rng.integers(0, 50, size=(size // 16, size // 16, 3), dtype=np.uint8)
+        img = cv2.resize(noise, (size, size), interpolation=cv2.INTER_CUBIC)
+        context = CONTEXTS[int(rng.integers(0, len(CONTEXTS)))]
+        placed: list[tuple[int, int, int]] = []
+        objects = []
         for _ in range(int(rng.integers(1, 4))):
-            for _try in range(20):
+            for _try in range(30):
                 s = int(rng.integers(size // 6, size // 3))
                 x0, y0 = (int(v) for v in rng.integers(0, size - s, size=2))
-                if all(x0 + s <= bx or bx + bs <= x0 or y0 + s <= by or by + bs <= y0 for bx, by, bs, _ in boxes):
+                if not _overlaps((x0, y0, s), placed):
                     break
             else:
                 continue
-            cls = int(rng.integers(0, len(CLASSES)))
-            color = rng.integers(90, 256, size=3)
-            _draw(img, cls, x0, y0, s, color)
-            boxes.append((x0, y0, s, cls))
+            shape = SHAPES[int(rng.integers(0, len(SHAPES)))]
+            grey = int(rng.integers(150, 240))
+            _draw(img, shape, x0, y0, s, (grey + int(rng.integers(-10, 10)), grey, grey + int(rng.integers(-10, 10))))
+            placed.append((x0, y0, s))
+            objects.append((x0, y0, s, CLASSES.index(f"{shape}-{context}")))
+        for _try in range(50):  # the key marker, away from every object
+            kx, ky = (int(v) for v in rng.integers(0, size - key_size, size=2))
+            if not _overlaps((kx, ky, key_size), placed, margin=size // 16):
+                break
+        cv2.rectangle(img, (kx, ky), (kx + key_size - 1, ky + key_size - 1), _KEY_BGR[context], thickness=-1)
         name = f"{split}_{i:05d}.png"
         cv2.imwrite(os.path.join(img_dir, name), img)
         images.append({"id": i + 1, "file_name": name, "width": size, "height": size})
-        for x0, y0, s, cls in boxes:
+        for x0, y0, s, cls in objects:
             annotations.append({"id": ann_id, "image_id": i + 1, "category_id": cls + 1,
                                 "bbox": [x0, y0, s, s], "area": s * s, "iscrowd": 0})
             ann_id += 1
@@ -70,7 +90,7 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
 
 def make_synthetic_coco(out_dir: str, num_train: int = 64, num_val: int = 32, size: int = 256, seed: int = 0) -> str:
     """Writes the train and val splits under ``out_dir`` (skipped if already complete); returns ``out_dir``."""
-    marker = os.path.join(out_dir, f".done-{num_train}-{num_val}-{size}-{seed}")
+    marker = os.path.join(out_dir, f".done-v2-{num_train}-{num_val}-{size}-{seed}")
     if os.path.exists(marker):
         return out_dir
     rng = np.random.default_rng(seed)
