@@ -32,3 +32,32 @@ def plot_sensitivity(report: dict, path: str, title: Optional[str] = None) -> Op
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_kept(metrics: dict, path: str) -> Optional[str]:
+    """Bar chart of the % of exact bbox mAP each row keeps (the main job's rows)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return None
+    names = [n for n in metrics if n not in ("linearized",)]
+    kept = [100 * metrics[n]["retained"] for n in names]
+    fig, ax = plt.subplots(figsize=(max(5, 0.75 * len(names) + 2), 3.6))
+    colors = ["tab:green" if n == "exact" else "tab:red" if n == "uniform" else "tab:blue" for n in names]
+    ax.bar(range(len(names)), kept, color=colors)
+    for i, k in enumerate(kept):
+        ax.text(i, k + 1, f"{k:.0f}", ha="center", fontsize=8)
+    ax.axhline(95, ls="--", color="k", lw=0.8)
+    ax.text(len(names) - 0.5, 96, "paper: 95%", ha="right", fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("% of exact bbox mAP kept")
+    ax.set_ylim(0, 110)
+    ax.set_title("LATTE: share of the exact model's bbox mAP kept")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -153,3 +153,23 @@ def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
     assert "using the calibrated LATTE state" in text
     expect = f"coco/bbox_mAP: {report['metrics']['linearized']['bbox_mAP']:.4f}"
     assert expect in text, text[-2000:]
+
+
+def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import main_job
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=4, steps=10)
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    report = main_job.main(["--config", str(cfg_path), "--checkpoint", "none", "--work-dir", str(tmp_path / "job"),
+                            "--rows", "exact", "uniform", "latte", "latte@83%"])
+    m = report["metrics"]
+    assert set(m) >= {"exact", "uniform", "latte", "latte@83%", "linearized"}
+    assert m["uniform"]["linear"] == "6/6" and m["latte"]["linear"] == "4/6" and m["latte@83%"]["linear"] == "5/6"
+    assert m["uniform"]["attention_gflops"] < m["latte"]["attention_gflops"] < m["exact"]["attention_gflops"]
+    assert all(r["encoder_latency_ratio"] > 0 for r in m.values())
+    for key in ("variant", "candidates", "sensitivity", "linearized", "params", "retained", "attention_gflops"):
+        assert key in report
+    assert os.path.exists(tmp_path / "job" / "latte_kept.png")
+    assert os.path.exists(tmp_path / "job" / "latte_calibrated.pth")

@@ -30,6 +30,7 @@ __all__ = [
     "naive_linear_attention",
     "linear_attention",
     "check_attn_mask",
+    "uniform_attention",
 ]
 
 #: The four rows of spec section 9, by name.
@@ -301,3 +302,17 @@ def linear_attention(
     denom = (fq32 @ ksum.unsqueeze(-1))  # (B, H, N, 1)
     out = num / torch.where(denom != 0, denom, torch.ones_like(denom))
     return out.to(out_dtype)
+
+
+def uniform_attention(v: Tensor, key_padding_mask: Optional[Tensor] = None, num_queries: int = 1) -> Tensor:
+    """The control: every query gets the mean of the valid values, ``(B, H, N, d_v)``.
+
+    Args:
+        v: ``(B, H, M, d_v)``. key_padding_mask: ``(B, M)``. num_queries: N.
+    """
+    if key_padding_mask is None:
+        mean = v.mean(dim=-2, keepdim=True)
+    else:
+        keep = (~key_padding_mask)[:, None, :, None].to(v.dtype)
+        mean = (v * keep).sum(dim=-2, keepdim=True) / keep.sum(dim=-2, keepdim=True).clamp_min(1)
+    return mean.expand(*v.shape[:-2], num_queries, v.shape[-1])

@@ -17,8 +17,9 @@ from . import kernels
 
 __all__ = ["MODES", "LatteParams", "merge_heads"]
 
-#: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys.
-MODES = ("exact", "linear", "dynamic")
+#: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys;
+#: ``uniform`` = the mean of the values (a control that shows how much attention matters).
+MODES = ("exact", "linear", "dynamic", "uniform")
 
 
 class LatteParams(nn.Module):
@@ -134,7 +135,9 @@ class LatteParams(nn.Module):
         Returns:
             ``(B, H, N, d_v)``.
         """
-        if self.use_linear(k.shape[-2]):
+        if self.mode == "uniform":
+            out = kernels.uniform_attention(v, key_padding_mask, q.shape[-2])
+        elif self.use_linear(k.shape[-2]):
             kernels.check_attn_mask(attn_mask, "LATTE linear attention")
             out = self.linear(q, k, v, key_padding_mask)
         else:
