@@ -1,0 +1,71 @@
+"""Calibration across 2 CPU processes (gloo) equals 1 process on the same images."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_attention
+from tests.toy import ToyEncoder, toy_batches
+
+CFG = dict(candidates=["layers.*.attn"], ratio=0.67, steps=30, max_queries=1000)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(model, rep):
+    layers = find_latte_layers(model)
+    return {
+        "linearized": rep["linearized"],
+        "sensitivity": rep["sensitivity"],
+        "scalars": {n: (float(l.m), float(l.log_rho), l.sigma.clone()) for n, l in layers.items()},
+    }
+
+
+def _calibrate(batches, all_reduce=None):
+    model = ToyEncoder().eval()
+    swap_attention(model, CFG["candidates"])
+    rep = calibrate_model(model, batches, lambda b: model(b), LatteConfig(**CFG), all_reduce=all_reduce,
+                          log=lambda s: None)
+    return _summary(model, rep)
+
+
+def _worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        batches = toy_batches(n=8)[rank::world]
+
+        def all_reduce(t):
+            dist.all_reduce(t)
+            return t
+
+        res = _calibrate(batches, all_reduce)
+        if rank == 0:
+            torch.save(res, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_two_process_calibration_matches_one(tmp_path):
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    two = torch.load(out, weights_only=True)
+    # one process sees the same 8 batches (rank 0 took 0,2,4,6; rank 1 took 1,3,5,7)
+    b = toy_batches(n=8)
+    one = _calibrate(b[0::2] + b[1::2])
+    assert two["linearized"] == one["linearized"]
+    for n in one["sensitivity"]:
+        assert two["sensitivity"][n] == pytest.approx(one["sensitivity"][n], rel=1e-5, abs=1e-7)
+        m1, r1, s1 = one["scalars"][n]
+        m2, r2, s2 = two["scalars"][n]
+        assert m2 == pytest.approx(m1, abs=1e-5) and r2 == pytest.approx(r1, abs=1e-5)
+        torch.testing.assert_close(s2, s1, atol=1e-5, rtol=1e-5)
