@@ -144,3 +144,25 @@ def test_unknown_variant():
     q, k, _ = qkv(1, 1, 3, 3, 4)
     with pytest.raises(ValueError, match="unknown LATTE variant 'nope'"):
         K.variant_features(q, k, "nope", 1.0, 1.0, 1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("b,h,n,m,d", SHAPES)
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-12), (torch.bfloat16, 3e-2)])
+def test_fused_latte_matches_reference(b, h, n, m, d, masked, dtype, tol):
+    q, k, v = qkv(b, h, n, m, d)
+    kpm = _padding(b, m) if masked else None
+    mm, dq, dk = 0.8, 2.0, 1.5
+    ref = K.linear_attention(*K.variant_features(q.double(), k.double(), "latte", mm, dq, dk, 1.0, 1.0), v.double(), kpm)
+    out = K.fused_latte_attention(q.to(dtype), k.to(dtype), v.to(dtype), mm, dq * dk, kpm)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_uniform_attention_is_masked_mean():
+    _, _, v = qkv(2, 2, 5, 7, 4)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[1, 3:] = True
+    out = K.uniform_attention(v, kpm, num_queries=5)
+    torch.testing.assert_close(out[0, :, 2], v[0].mean(dim=-2))
+    torch.testing.assert_close(out[1, :, 4], v[1, :, :3].mean(dim=-2))

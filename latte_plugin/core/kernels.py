@@ -31,6 +31,7 @@ __all__ = [
     "linear_attention",
     "check_attn_mask",
     "uniform_attention",
+    "fused_latte_attention",
 ]
 
 #: The four rows of spec section 9, by name.
@@ -316,3 +317,51 @@ def uniform_attention(v: Tensor, key_padding_mask: Optional[Tensor] = None, num_
         keep = (~key_padding_mask)[:, None, :, None].to(v.dtype)
         mean = (v * keep).sum(dim=-2, keepdim=True) / keep.sum(dim=-2, keepdim=True).clamp_min(1)
     return mean.expand(*v.shape[:-2], num_queries, v.shape[-1])
+
+
+def fused_latte_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    m: Tensor | float,
+    rho: Tensor | float,
+    key_padding_mask: Optional[Tensor] = None,
+    eps: float = _EPS,
+) -> Tensor:
+    """The inference fast path of ``latte`` / ``jpn_only``: psi_m, JPN and the beta column, fused.
+
+    Equal to ``linear_attention(*variant_features(q, k, 'latte', m, dq, dk, bq, bk), v)`` with
+    ``rho = dq dk / (bq bk)``, but the constant column is handled analytically
+    (``Q^ K^T = rho q~ k~^T + 1``) instead of concatenated, the feature maps are built in
+    place, and the sums accumulate in float32 or wider.
+
+    Args:
+        q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``.
+        m: ``sqrt(1 - alpha)``; rho: ``delta_q delta_k / (beta_q beta_k)`` (> 0).
+        key_padding_mask: ``(B, M)``, ``True`` = padded.
+
+    Returns:
+        ``(B, H, N, d_v)`` in ``v``'s dtype.
+    """
+    out_dtype = v.dtype
+    acc = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+    s = q.shape[-1] ** -0.25
+    fq = (q.to(acc) * s).add_(m).square_()
+    fq.mul_(torch.as_tensor(rho, dtype=acc, device=q.device) / (torch.linalg.vector_norm(fq, dim=-1, keepdim=True) + eps))
+    fk = (k.to(acc) * s).add_(m).square_()
+    fk.div_(torch.linalg.vector_norm(fk, dim=-1, keepdim=True) + eps)
+    va = v.to(acc)
+    if key_padding_mask is not None:
+        keep = (~key_padding_mask)[:, None, :, None]
+        fk.mul_(keep)
+        va = va * keep
+        count = keep.sum(dim=-2, keepdim=True).to(acc)  # (B, 1, 1, 1)
+    else:
+        count = torch.full((1, 1, 1, 1), float(k.shape[-2]), dtype=acc, device=k.device)
+    kv = fk.transpose(-1, -2) @ va  # (B, H, d, d_v)
+    ksum = fk.sum(dim=-2, keepdim=True).transpose(-1, -2)  # (B, H, d, 1)
+    vsum = va.sum(dim=-2, keepdim=True)  # (B, H, 1, d_v)
+    num = torch.baddbmm(vsum.flatten(0, 1), fq.flatten(0, 1), kv.flatten(0, 1)).view(*fq.shape[:-1], -1)
+    den = (fq @ ksum).add_(count)
+    out = num.div_(torch.where(den != 0, den, torch.ones_like(den)))
+    return out.to(out_dtype)

@@ -107,9 +107,18 @@ class LatteParams(nn.Module):
         return kernels.variant_features(q, k, self.variant, m, delta, delta, 1.0, 1.0)
 
     def linear(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """LATTE linear attention with sigma applied: ``(B, H, N, d_v)``."""
-        fq, fk = self.features(q, k)
-        o = kernels.linear_attention(fq, fk, v, key_padding_mask)
+        """LATTE linear attention with sigma applied: ``(B, H, N, d_v)``.
+
+        ``latte`` and ``jpn_only`` run the fused fast path; the others (and calibration, via
+        :meth:`features`) use the reference composition it is tested against.
+        """
+        variant = self.variant
+        if variant in ("latte", "jpn_only"):
+            m = self.m if variant == "latte" else 1.0
+            o = kernels.fused_latte_attention(q, k, v, m, torch.exp(self.log_rho), key_padding_mask)
+        else:
+            fq, fk = self.features(q, k)
+            o = kernels.linear_attention(fq, fk, v, key_padding_mask)
         b, h, n, dv = o.shape
         return o * self.sigma.view(h, 1, dv).to(o.dtype)
 
