@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_attention
 from tests.toy import ToyEncoder, toy_batches
 
-CFG = dict(candidates=["layers.*.attn"], ratio=0.67, steps=30, max_queries=1000)
+CFG = dict(candidates=["layers.*.attn"], ratio=0.67, steps=15, max_queries=1000)
 
 
 def _free_port() -> int:

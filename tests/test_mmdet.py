@@ -173,3 +173,26 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path):
         assert key in report
     assert os.path.exists(tmp_path / "job" / "latte_kept.png")
     assert os.path.exists(tmp_path / "job" / "latte_calibrated.pth")
+
+
+def test_runner_saved_checkpoint_loads_with_weights_only(synthetic_data, tmp_path):
+    """mmengine 0.10.7 pickles a HistoryBuffer and numpy arrays into every checkpoint it saves;
+    torch >= 2.6 loads with weights_only=True by default. Importing latte_plugin.mmdet
+    allow-lists exactly those types, so load_from / tools/test.py work without unsafe loading."""
+    from mmengine.runner import Runner
+
+    from latte_plugin.mmdet.checkpoint import slim_checkpoint
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "train"))
+    cfg.custom_hooks = []
+    cfg.train_cfg = dict(type="IterBasedTrainLoop", max_iters=1, val_interval=10)
+    cfg.param_scheduler = []
+    cfg.default_hooks.checkpoint = dict(type="CheckpointHook", interval=1, by_epoch=False)
+    Runner.from_cfg(cfg).train()
+    src = str(tmp_path / "train" / "iter_1.pth")
+    raw = torch.load(src, weights_only=True)  # would raise "Unsupported global" without the allow-list
+    assert "message_hub" in raw and "state_dict" in raw
+    meta = slim_checkpoint(src, str(tmp_path / "slim.pth"), dtype=torch.float16)
+    slim = torch.load(str(tmp_path / "slim.pth"), weights_only=True)
+    assert meta["iter"] == 1 and set(slim) == {"meta", "state_dict"}
+    assert all(v.dtype != torch.float32 for v in slim["state_dict"].values())

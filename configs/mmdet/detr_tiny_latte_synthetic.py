@@ -63,7 +63,7 @@ custom_hooks = [
         ratio=0.67,
         variant='latte',
         num_images=16,
-        steps=60,
+        steps=15,
     )
 ]
 default_hooks = dict(logger=dict(interval=10))

@@ -132,7 +132,10 @@ def softmax_weighted_mean_score(items: list[RecordedItem], all_reduce: AllReduce
 
 
 def _stack_by_shape(items: list[RecordedItem]) -> list[RecordedItem]:
-    """Float64 copies with same-shaped items stacked along a new leading dim: ``(G, H, n, d)``.
+    """Same-shaped items stacked along a new leading dim: ``(G, H, n, d)``, in float64.
+
+    float64 makes the fit independent of how images are split across ranks (the loss is
+    flat along some directions, where float32 summation order would show).
 
     Fitting then runs one batched op per shape instead of one per image. Groups are kept
     in first-seen order, so the result is deterministic.
@@ -167,26 +170,35 @@ def reconstruction_error(
     return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
 
 
+def _loss(layer: LatteParams, stacked: list[RecordedItem], m: Tensor, log_rho: Tensor, total: float) -> Tensor:
+    loss = torch.zeros((), dtype=torch.float64)
+    for it in stacked:
+        o = _linear_outputs(layer, it, m, log_rho)
+        loss = loss + ((o - it.target) ** 2).sum().double() / total
+    return loss
+
+
 def fit_layer(
     layer: LatteParams,
     items: list[RecordedItem],
-    steps: int = 150,
-    lr: float = 0.05,
+    steps: int = 30,
+    lr: float = 1.0,
     fit_sigma: bool = True,
     all_reduce: AllReduce = _no_reduce,
 ) -> FitResult:
     """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
 
-    ``m`` (so alpha) starts at the softmax-weighted mean score and ``log_rho`` at 0; both
-    are fitted with full-batch Adam on the mean squared error against the recorded
-    softmax outputs, with gradients summed across ranks. ``jpn_only`` keeps ``m = 1``
-    (alpha = 0) and ``qtvit`` has no anchor. sigma is then a closed-form per-channel least
-    squares. Deterministic: no sampling happens here.
+    ``m`` (so alpha) starts at the softmax-weighted mean score and ``log_rho`` at 0. A coarse
+    grid over ``(m, log_rho)`` picks the start (robust to the sharpness of the layer), then
+    full-batch L-BFGS (``steps`` iterations, strong-Wolfe line search) minimises the mean
+    squared error against the recorded softmax outputs, with loss and gradients summed
+    across ranks. ``jpn_only`` keeps ``m = 1`` (alpha = 0) and ``qtvit`` has no anchor.
+    sigma is then a closed-form per-channel least squares. Deterministic: no sampling here.
 
     Args:
         layer: the layer whose buffers are set.
         items: its recordings (this rank's share).
-        steps, lr: Adam's budget.
+        steps: L-BFGS iterations. lr: L-BFGS step scale.
         fit_sigma: fit sigma (else it stays ones).
         all_reduce: sums a tensor across ranks in place.
 
@@ -199,46 +211,64 @@ def fit_layer(
     variant = layer.variant
     alpha0 = softmax_weighted_mean_score(items, all_reduce)
     alpha0 = min(alpha0, 1.0 - 1e-4)
+    fit_m = variant in ("latte", "tte_only")
+    m0 = math.sqrt(1.0 - alpha0) if fit_m else 1.0
     layer.sigma.fill_(1.0)
-    layer.m.fill_(math.sqrt(1.0 - alpha0) if variant in ("latte", "tte_only") else 1.0)
+    layer.m.fill_(m0)
     layer.log_rho.fill_(0.0)
     initial = reconstruction_error(layer, items, all_reduce, use_sigma=False)
 
-    fit_m = variant in ("latte", "tte_only")
-    m = layer.m.detach().clone().double().requires_grad_(fit_m)
-    log_rho = layer.log_rho.detach().clone().double().requires_grad_(True)
+    total = float(_sum_count([(0.0, float(it.target.numel())) for it in items], all_reduce)[1])
+    stacked = _stack_by_shape(items)
+
+    def reduced(t: Tensor) -> Tensor:
+        return all_reduce(t.detach().reshape(1).clone())[0]
+
+    # coarse start: the grid is evaluated identically on every rank (losses are all-reduced)
+    best = (math.inf, m0, 0.0)
+    with torch.no_grad():
+        for mm in (sorted({m0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.5}) if fit_m else [m0]):
+            for lr0 in (-2.0, 0.0, 1.0, 2.0, 3.0, 4.0, 6.0):
+                val = float(reduced(_loss(layer, stacked, torch.tensor(mm, dtype=torch.float64),
+                                          torch.tensor(lr0, dtype=torch.float64), total)))
+                if val < best[0]:
+                    best = (val, mm, lr0)
+    m = torch.tensor(best[1], dtype=torch.float64, requires_grad=fit_m)
+    log_rho = torch.tensor(best[2], dtype=torch.float64, requires_grad=True)
     params = [p for p in (m, log_rho) if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr)
-    total = _sum_count([(0.0, float(it.target.numel())) for it in items], all_reduce)[1]
-    items64 = _stack_by_shape(items)
-    with torch.enable_grad():
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=False)
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for it in items64:
-                o = _linear_outputs(layer, it, m, log_rho)
-                loss = ((o - it.target) ** 2).sum() / total
-                loss.backward()
-            grads = torch.stack([p.grad for p in params])
-            grads = all_reduce(grads)
-            for p, g in zip(params, grads):
-                p.grad.copy_(g)
-            opt.step()
-            with torch.no_grad():
-                log_rho.clamp_(-20.0, 20.0)  # keeps the gauge from drifting to overflow
-    layer.m.fill_(float(m.detach()))
-    layer.log_rho.fill_(float(log_rho.detach()))
+    if steps > 0:
+        opt = torch.optim.LBFGS(params, lr=lr, max_iter=steps, line_search_fn="strong_wolfe",
+                                tolerance_grad=1e-12, tolerance_change=1e-14)
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            with torch.enable_grad():
+                loss = _loss(layer, stacked, m, log_rho, total)
+                grads = torch.autograd.grad(loss, params)
+            g = all_reduce(torch.stack([x.detach() for x in grads]))
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            return reduced(loss)
+
+        opt.step(closure)
+    with torch.no_grad():
+        log_rho.clamp_(-20.0, 20.0)  # keeps the gauge from drifting to overflow
+        m_fit, r_fit = abs(float(m)), float(log_rho)
+        fitted = float(reduced(_loss(layer, stacked, torch.tensor(m_fit, dtype=torch.float64),
+                                     torch.tensor(r_fit, dtype=torch.float64), total)))
+    if not (math.isfinite(fitted) and math.isfinite(m_fit)) or fitted > best[0]:
+        m_fit, r_fit = best[1], best[2]  # the line search wandered off: keep the grid's best
+    layer.m.fill_(m_fit)
+    layer.log_rho.fill_(r_fit)
 
     if fit_sigma:
         num = torch.zeros(layer.embed_dim, dtype=torch.float64)
         den = torch.zeros(layer.embed_dim, dtype=torch.float64)
         with torch.no_grad():
-            for it in items64:
+            for it in stacked:
                 o = _linear_outputs(layer, it, layer.m.double(), layer.log_rho.double())  # (G, H, n, dv)
-                num += (o * it.target).sum(dim=(0, 2)).reshape(-1)
-                den += (o * o).sum(dim=(0, 2)).reshape(-1)
+                num += (o.double() * it.target).sum(dim=(0, 2)).reshape(-1)
+                den += (o.double() * o).sum(dim=(0, 2)).reshape(-1)
         sums = all_reduce(torch.stack([num, den]))
         sigma = torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(1e-30), torch.ones_like(sums[0]))
         layer.sigma.copy_(sigma.float())

@@ -44,7 +44,7 @@ class LatteConfig:
         variant: one of ``qtvit``, ``jpn_only``, ``tte_only``, ``latte``.
         num_images: calibration images taken from the train split.
         max_items, max_queries: recording bounds per layer (images, query tokens per image).
-        steps, lr: the per-layer fit's Adam budget.
+        steps, lr: the per-layer fit's L-BFGS iterations and step scale.
         fit_sigma: fit the output rescaling sigma.
         sequential: fit layer l on inputs from the model with layers < l already linear.
         selection: ``score`` (the paper's, lambda) or ``greedy`` (global, on the final output).
@@ -61,9 +61,9 @@ class LatteConfig:
     variant: str = "latte"
     num_images: int = 64
     max_items: int = 64
-    max_queries: int = 256
-    steps: int = 150
-    lr: float = 0.05
+    max_queries: int = 128
+    steps: int = 30
+    lr: float = 1.0
     fit_sigma: bool = True
     sequential: bool = False
     selection: str = "score"

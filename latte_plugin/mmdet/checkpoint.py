@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["register_safe_globals"]
+__all__ = ["register_safe_globals", "slim_checkpoint"]
 
 
 def register_safe_globals() -> None:
@@ -25,3 +25,32 @@ def register_safe_globals() -> None:
     safe += [type(np.dtype(t)) for t in ("float64", "float32", "int64", "int32", "bool")]
     safe.append(np.core.multiarray.scalar if hasattr(np.core.multiarray, "scalar") else np._core.multiarray.scalar)
     torch.serialization.add_safe_globals(safe)
+
+
+def slim_checkpoint(src: str, dst: str, dtype: "torch.dtype | None" = None) -> dict:
+    """Rewrites a Runner checkpoint as ``{'meta': plain, 'state_dict': tensors}`` (no optimizer).
+
+    The source loads with ``weights_only=True`` (thanks to :func:`register_safe_globals`);
+    the result needs no allow-list at all. ``dtype`` (e.g. ``torch.float16``) stores the
+    floating-point weights in that type to keep the file small; they load back into a
+    float32 model unchanged.
+
+    Returns:
+        The ``meta`` written.
+    """
+    from ..core.io import atomic_torch_save
+
+    register_safe_globals()
+    ckpt = torch.load(src, map_location="cpu", weights_only=True)
+    state = ckpt.get("state_dict", ckpt)
+    out = {}
+    for k, v in state.items():
+        v = v.detach().cpu()
+        if dtype is not None and v.is_floating_point():
+            v = v.to(dtype)
+        out[k] = v.contiguous()
+    src_meta = ckpt.get("meta", {}) or {}
+    meta = {"source": src, "epoch": int(src_meta.get("epoch", -1)), "iter": int(src_meta.get("iter", -1)),
+            "dtype": str(dtype or "as saved")}
+    atomic_torch_save({"meta": meta, "state_dict": out}, dst)
+    return meta
