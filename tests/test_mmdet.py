@@ -196,3 +196,21 @@ def test_runner_saved_checkpoint_loads_with_weights_only(synthetic_data, tmp_pat
     slim = torch.load(str(tmp_path / "slim.pth"), weights_only=True)
     assert meta["iter"] == 1 and set(slim) == {"meta", "state_dict"}
     assert all(v.dtype != torch.float32 for v in slim["state_dict"].values())
+
+
+def test_restricted_getattr_blocks_everything_but_history_buffer_stats(tmp_path):
+    from mmengine.logging.history_buffer import HistoryBuffer
+
+    class Sneaky:
+        def __reduce__(self):
+            return (getattr, (HistoryBuffer, "__init__"))
+
+    class Fine:
+        def __reduce__(self):
+            return (getattr, (HistoryBuffer, "mean"))
+
+    torch.save({"x": Fine()}, tmp_path / "fine.pth")
+    assert torch.load(tmp_path / "fine.pth", weights_only=True)["x"] is HistoryBuffer.mean
+    torch.save({"x": Sneaky()}, tmp_path / "bad.pth")
+    with pytest.raises(Exception, match="only HistoryBuffer statistics methods"):
+        torch.load(tmp_path / "bad.pth", weights_only=True)

@@ -1,11 +1,16 @@
 """Checkpoint loading with torch's ``weights_only=True`` (torch >= 2.6 default).
 
-mmengine 0.10.7's Runner pickles a ``HistoryBuffer`` and numpy scalars/arrays into the
-``message_hub`` of every checkpoint it saves, which ``weights_only`` loading rejects. We
-allow-list exactly those types (torch's documented mechanism), never falling back to
-unsafe loading. Checkpoints written by this plugin hold tensors and plain types only.
+mmengine 0.10.7's Runner pickles its ``message_hub`` into every checkpoint: a
+``HistoryBuffer`` (whose statistics methods are pickled as ``getattr(HistoryBuffer, 'min')``)
+and numpy scalars/arrays. ``weights_only`` loading rejects all of these. We allow-list
+exactly those types (torch's documented mechanism) and map the pickled ``getattr`` to a
+restricted one that only returns ``HistoryBuffer``'s registered statistics methods, so a
+checkpoint cannot use it to reach anything else. Nothing ever falls back to unsafe
+loading. Checkpoints written by this plugin hold tensors and plain types only.
 """
 from __future__ import annotations
+
+import pickle
 
 import numpy as np
 import torch
@@ -24,7 +29,25 @@ def register_safe_globals() -> None:
         safe.append(np._core.multiarray._reconstruct)
     safe += [type(np.dtype(t)) for t in ("float64", "float32", "int64", "int32", "bool")]
     safe.append(np.core.multiarray.scalar if hasattr(np.core.multiarray, "scalar") else np._core.multiarray.scalar)
+    from collections import Counter
+
+    safe.append(Counter)
+    import codecs
+
+    safe.append(codecs.encode)  # numpy scalars pickle their bytes through _codecs.encode
+    safe.append((_history_buffer_getattr, "builtins.getattr"))
     torch.serialization.add_safe_globals(safe)
+
+
+def _history_buffer_getattr(obj, name: str):
+    """``getattr`` as a checkpoint may use it: only ``HistoryBuffer``'s statistics methods."""
+    from mmengine.logging.history_buffer import HistoryBuffer
+
+    if obj is HistoryBuffer and name in ("min", "max", "mean", "current") + tuple(HistoryBuffer._statistics_methods):
+        return getattr(obj, name)
+    raise pickle.UnpicklingError(
+        f"checkpoint asks for getattr({obj!r}, {name!r}); only HistoryBuffer statistics methods are allowed"
+    )
 
 
 def slim_checkpoint(src: str, dst: str, dtype: "torch.dtype | None" = None) -> dict:
