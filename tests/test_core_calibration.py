@@ -34,7 +34,7 @@ def test_fit_lowers_reconstruction_error_and_is_deterministic(variant):
         layer.variant = variant
         res = fit_layer(layer, rec.items, steps=20)
         assert res.final_mse < res.initial_mse, (variant, res)
-        results.append((float(layer.m), float(layer.log_rho), layer.sigma.clone(), res.final_mse))
+        results.append((layer.m.tolist(), layer.log_rho.tolist(), layer.sigma.clone(), res.final_mse))
     assert results[0][:2] == results[1][:2] and torch.equal(results[0][2], results[1][2])
 
 
@@ -192,3 +192,14 @@ def test_state_dict_round_trip_restores_hybrid(tmp_path):
     with torch.no_grad():
         assert torch.equal(fresh.eval()(x), model(x))
     assert {n for n, l in find_latte_layers(fresh).items() if l.mode == "linear"} == set(rep["linearized"])
+
+
+def test_per_head_fit_is_at_least_as_good_as_shared():
+    model = ToyEncoder().eval()
+    swap_attention(model, ["layers.*.attn"])
+    layer, rec = _record(model, toy_batches(), "layers.3.attn")
+    shared = fit_layer(layer, rec.items, steps=15).final_mse
+    assert len(set(layer.m.tolist())) == 1
+    per_head = fit_layer(layer, rec.items, steps=15, per_head=True).final_mse
+    assert per_head <= shared * (1 + 1e-9)
+    assert "alpha_per_head" in layer.scalars() or len(set(layer.m.tolist())) == 1

@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequential", action="store_true", help="sequential calibration (spec 6.3)")
     p.add_argument("--selection", choices=["score", "greedy"])
     p.add_argument("--no-sigma", action="store_true", help="do not fit the output rescaling sigma")
+    p.add_argument("--per-head", action="store_true", help="fit (alpha, rho) per head (beyond the paper)")
     p.add_argument("--eval", action="store_true", help="evaluate exact and linearized models with the config's evaluator")
     p.add_argument("--cfg-options", nargs="+", default=[], help="mmengine-style key=value config overrides")
     return p.parse_args(argv)
@@ -58,6 +59,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         o["selection"] = args.selection
     if args.no_sigma:
         o["fit_sigma"] = False
+    if args.per_head:
+        o["per_head"] = True
     return o
 
 

@@ -170,11 +170,12 @@ def reconstruction_error(
     return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
 
 
-def _loss(layer: LatteParams, stacked: list[RecordedItem], m: Tensor, log_rho: Tensor, total: float) -> Tensor:
-    loss = torch.zeros((), dtype=torch.float64)
+def _head_losses(layer: LatteParams, stacked: list[RecordedItem], m: Tensor, log_rho: Tensor, total: float) -> Tensor:
+    """Squared error per head ``(H,)``, divided by the global element count."""
+    loss = torch.zeros(layer.num_heads, dtype=torch.float64)
     for it in stacked:
-        o = _linear_outputs(layer, it, m, log_rho)
-        loss = loss + ((o - it.target) ** 2).sum().double() / total
+        o = _linear_outputs(layer, it, m, log_rho)  # (G, H, n, dv)
+        loss = loss + ((o - it.target) ** 2).sum(dim=(0, 2, 3)).double() / total
     return loss
 
 
@@ -185,6 +186,7 @@ def fit_layer(
     lr: float = 1.0,
     fit_sigma: bool = True,
     all_reduce: AllReduce = _no_reduce,
+    per_head: bool = False,
 ) -> FitResult:
     """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
 
@@ -201,6 +203,8 @@ def fit_layer(
         steps: L-BFGS iterations. lr: L-BFGS step scale.
         fit_sigma: fit sigma (else it stays ones).
         all_reduce: sums a tensor across ranks in place.
+        per_head: one ``(m, log_rho)`` per head (heads are independent, so the grid picks
+            each head's start separately); else one pair shared by the layer (the paper).
 
     Returns:
         :class:`FitResult` with the MSE at the start (alpha from the weighted mean) and at the end.
@@ -209,6 +213,7 @@ def fit_layer(
     if float(all_reduce(local)[0]) == 0:
         raise ValueError("empty calibration set: no image reached the layer; give at least one image")
     variant = layer.variant
+    h = layer.num_heads
     alpha0 = softmax_weighted_mean_score(items, all_reduce)
     alpha0 = min(alpha0, 1.0 - 1e-4)
     fit_m = variant in ("latte", "tte_only")
@@ -221,20 +226,26 @@ def fit_layer(
     total = float(_sum_count([(0.0, float(it.target.numel())) for it in items], all_reduce)[1])
     stacked = _stack_by_shape(items)
 
-    def reduced(t: Tensor) -> Tensor:
-        return all_reduce(t.detach().reshape(1).clone())[0]
+    def losses(m: Tensor, log_rho: Tensor) -> Tensor:  # (H,), identical on every rank
+        return all_reduce(_head_losses(layer, stacked, m.expand(h), log_rho.expand(h), total).detach().clone())
 
-    # coarse start: the grid is evaluated identically on every rank (losses are all-reduced)
-    best = (math.inf, m0, 0.0)
+    # coarse start, per head or shared
+    n_par = h if per_head else 1
+    best = torch.full((n_par,), math.inf, dtype=torch.float64)
+    best_m = torch.full((n_par,), m0, dtype=torch.float64)
+    best_r = torch.zeros(n_par, dtype=torch.float64)
     with torch.no_grad():
         for mm in (sorted({m0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.5}) if fit_m else [m0]):
-            for lr0 in (-2.0, 0.0, 1.0, 2.0, 3.0, 4.0, 6.0):
-                val = float(reduced(_loss(layer, stacked, torch.tensor(mm, dtype=torch.float64),
-                                          torch.tensor(lr0, dtype=torch.float64), total)))
-                if val < best[0]:
-                    best = (val, mm, lr0)
-    m = torch.tensor(best[1], dtype=torch.float64, requires_grad=fit_m)
-    log_rho = torch.tensor(best[2], dtype=torch.float64, requires_grad=True)
+            for r0 in (-2.0, 0.0, 1.0, 2.0, 3.0, 4.0, 6.0):
+                one = torch.tensor([mm], dtype=torch.float64)
+                val = losses(one, torch.tensor([r0], dtype=torch.float64))
+                val = val if per_head else val.sum().reshape(1)
+                better = val < best
+                best = torch.where(better, val, best)
+                best_m = torch.where(better, one, best_m)
+                best_r = torch.where(better, torch.full_like(best_r, r0), best_r)
+    m = best_m.clone().requires_grad_(fit_m)
+    log_rho = best_r.clone().requires_grad_(True)
     params = [p for p in (m, log_rho) if p.requires_grad]
     if steps > 0:
         opt = torch.optim.LBFGS(params, lr=lr, max_iter=steps, line_search_fn="strong_wolfe",
@@ -243,23 +254,25 @@ def fit_layer(
         def closure() -> Tensor:
             opt.zero_grad()
             with torch.enable_grad():
-                loss = _loss(layer, stacked, m, log_rho, total)
+                loss = _head_losses(layer, stacked, m.expand(h), log_rho.expand(h), total).sum()
                 grads = torch.autograd.grad(loss, params)
             g = all_reduce(torch.stack([x.detach() for x in grads]))
             for p, gi in zip(params, g):
                 p.grad = gi.clone()
-            return reduced(loss)
+            return all_reduce(loss.detach().reshape(1).clone())[0]
 
         opt.step(closure)
     with torch.no_grad():
-        log_rho.clamp_(-20.0, 20.0)  # keeps the gauge from drifting to overflow
-        m_fit, r_fit = abs(float(m)), float(log_rho)
-        fitted = float(reduced(_loss(layer, stacked, torch.tensor(m_fit, dtype=torch.float64),
-                                     torch.tensor(r_fit, dtype=torch.float64), total)))
-    if not (math.isfinite(fitted) and math.isfinite(m_fit)) or fitted > best[0]:
-        m_fit, r_fit = best[1], best[2]  # the line search wandered off: keep the grid's best
-    layer.m.fill_(m_fit)
-    layer.log_rho.fill_(r_fit)
+        m_fit = m.detach().abs().clone()
+        r_fit = log_rho.detach().clamp(-20.0, 20.0)  # keeps the gauge from drifting to overflow
+        fitted = losses(m_fit, r_fit)
+        fitted = fitted if per_head else fitted.sum().reshape(1)
+        # where the line search wandered off (non-finite or worse), keep the grid's best
+        bad = ~torch.isfinite(fitted) | ~torch.isfinite(m_fit) | (fitted > best)
+        m_fit = torch.where(bad, best_m, m_fit)
+        r_fit = torch.where(bad, best_r, r_fit)
+    layer.m.copy_(m_fit.expand(h))
+    layer.log_rho.copy_(r_fit.expand(h))
 
     if fit_sigma:
         num = torch.zeros(layer.embed_dim, dtype=torch.float64)

@@ -46,6 +46,7 @@ class LatteConfig:
         max_items, max_queries: recording bounds per layer (images, query tokens per image).
         steps, lr: the per-layer fit's L-BFGS iterations and step scale.
         fit_sigma: fit the output rescaling sigma.
+        per_head: fit one (alpha, rho) per head instead of one per layer (beyond the paper).
         sequential: fit layer l on inputs from the model with layers < l already linear.
         selection: ``score`` (the paper's, lambda) or ``greedy`` (global, on the final output).
         lam: lambda of the sensitivity score.
@@ -65,6 +66,7 @@ class LatteConfig:
     steps: int = 30
     lr: float = 1.0
     fit_sigma: bool = True
+    per_head: bool = False
     sequential: bool = False
     selection: str = "score"
     lam: float = 10.0
@@ -226,9 +228,9 @@ def calibrate_model(
             for n in group:
                 layers[n].recorder = None
         for n in group:
-            res = fit_layer(layers[n], recs[n].items, cfg.steps, cfg.lr, cfg.fit_sigma, reduce)
+            res = fit_layer(layers[n], recs[n].items, cfg.steps, cfg.lr, cfg.fit_sigma, reduce, cfg.per_head)
             fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init}
-            log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={math.exp(float(layers[n].log_rho)):.4g} "
+            log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={float(layers[n].log_rho.exp().mean()):.4g} "
                 f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}")
             if cfg.sequential:
                 layers[n].mode = "linear"

@@ -29,7 +29,8 @@ class LatteParams(nn.Module):
     so we fit ``log_rho = log(delta_q delta_k)`` with ``beta_q = beta_k = 1`` and report
     ``delta_q = delta_k = sqrt(rho)``. ``alpha = 1 - m^2`` is always <= 1.
 
-    Buffers (all in the state dict): ``m``, ``log_rho``, ``sigma`` ``(embed_dim,)``,
+    Buffers (all in the state dict): ``m`` and ``log_rho`` ``(num_heads,)`` (equal across
+    heads unless calibrated with ``per_head=True``), ``sigma`` ``(embed_dim,)``,
     ``variant_id``, ``mode_id``, ``threshold`` and ``calibrated``.
 
     Args:
@@ -47,8 +48,9 @@ class LatteParams(nn.Module):
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
         self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.register_buffer("m", torch.tensor(1.0))
-        self.register_buffer("log_rho", torch.tensor(0.0))
+        # One (m, log_rho) per head; they are all equal unless fitted per head.
+        self.register_buffer("m", torch.ones(num_heads))
+        self.register_buffer("log_rho", torch.zeros(num_heads))
         self.register_buffer("sigma", torch.ones(embed_dim))
         self.register_buffer("variant_id", torch.tensor(0, dtype=torch.long))
         self.register_buffer("mode_id", torch.tensor(0, dtype=torch.long))
@@ -84,7 +86,8 @@ class LatteParams(nn.Module):
 
     @property
     def alpha(self) -> float:
-        return 1.0 - float(self.m) ** 2
+        """The anchor, averaged over heads (they are equal unless fitted per head)."""
+        return float((1.0 - self.m.double() ** 2).mean())
 
     def set_alpha(self, alpha: float) -> None:
         """Sets the Taylor anchor. Raises ``ValueError`` for ``alpha > 1`` (then ``m`` would be imaginary)."""
@@ -93,16 +96,22 @@ class LatteParams(nn.Module):
         self.m.fill_(math.sqrt(1.0 - alpha))
 
     def scalars(self) -> dict[str, float]:
-        """The five reported scalars ``{alpha, delta_q, delta_k, beta_q, beta_k}``."""
-        delta = math.exp(0.5 * float(self.log_rho))
-        alpha = 0.0 if self.variant == "jpn_only" else self.alpha
-        return {"alpha": alpha, "delta_q": delta, "delta_k": delta, "beta_q": 1.0, "beta_k": 1.0}
+        """The five reported scalars ``{alpha, delta_q, delta_k, beta_q, beta_k}`` (head means),
+        plus ``alpha_per_head`` / ``delta_per_head`` when the heads differ."""
+        deltas = torch.exp(0.5 * self.log_rho.double())
+        alphas = torch.zeros_like(deltas) if self.variant == "jpn_only" else 1.0 - self.m.double() ** 2
+        delta = float(deltas.mean())
+        out = {"alpha": float(alphas.mean()), "delta_q": delta, "delta_k": delta, "beta_q": 1.0, "beta_k": 1.0}
+        if bool((alphas != alphas[0]).any() or (deltas != deltas[0]).any()):
+            out["alpha_per_head"] = [float(a) for a in alphas]
+            out["delta_per_head"] = [float(d) for d in deltas]
+        return out
 
     # -- attention -----------------------------------------------------------------------
     def features(self, q: Tensor, k: Tensor, m: Optional[Tensor] = None, log_rho: Optional[Tensor] = None):
         """Feature maps of this layer's variant; ``m``/``log_rho`` override the buffers (for fitting)."""
-        m = self.m if m is None else m
-        log_rho = self.log_rho if log_rho is None else log_rho
+        m = (self.m if m is None else m).view(-1, 1, 1)  # (H, 1, 1) broadcasts over (..., H, N, d)
+        log_rho = (self.log_rho if log_rho is None else log_rho).view(-1, 1, 1)
         delta = torch.exp(0.5 * log_rho)
         return kernels.variant_features(q, k, self.variant, m, delta, delta, 1.0, 1.0)
 
@@ -114,8 +123,8 @@ class LatteParams(nn.Module):
         """
         variant = self.variant
         if variant in ("latte", "jpn_only"):
-            m = self.m if variant == "latte" else 1.0
-            o = kernels.fused_latte_attention(q, k, v, m, torch.exp(self.log_rho), key_padding_mask)
+            m = self.m.view(-1, 1, 1) if variant == "latte" else 1.0
+            o = kernels.fused_latte_attention(q, k, v, m, torch.exp(self.log_rho).view(-1, 1, 1), key_padding_mask)
         else:
             fq, fk = self.features(q, k)
             o = kernels.linear_attention(fq, fk, v, key_padding_mask)

@@ -45,6 +45,7 @@ ROWS = [
     Row("latte-no-sigma", {"variant": "latte", "fit_sigma": False}),
     Row("latte+greedy", {"variant": "latte", "selection": "greedy"}),
     Row("latte@83%", {"variant": "latte", "ratio": 0.83, "num_linear": None}),
+    Row("latte+per-head", {"variant": "latte", "per_head": True}),
 ]
 
 
