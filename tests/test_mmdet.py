@@ -163,10 +163,10 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path):
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = main_job.main(["--config", str(cfg_path), "--checkpoint", "none", "--work-dir", str(tmp_path / "job"),
-                            "--rows", "exact", "uniform", "latte", "latte@83%"])
+                            "--rows", "exact", "uniform", "latte", "latte+greedy@83%"])
     m = report["metrics"]
-    assert set(m) >= {"exact", "uniform", "latte", "latte@83%", "linearized"}
-    assert m["uniform"]["linear"] == "6/6" and m["latte"]["linear"] == "4/6" and m["latte@83%"]["linear"] == "5/6"
+    assert set(m) >= {"exact", "uniform", "latte", "latte+greedy@83%", "linearized"}
+    assert m["uniform"]["linear"] == "6/6" and m["latte"]["linear"] == "4/6" and m["latte+greedy@83%"]["linear"] == "5/6"
     assert m["uniform"]["attention_gflops"] < m["latte"]["attention_gflops"] < m["exact"]["attention_gflops"]
     assert all(r["encoder_latency_ratio"] > 0 for r in m.values())
     for key in ("variant", "candidates", "sensitivity", "linearized", "params", "retained", "attention_gflops"):

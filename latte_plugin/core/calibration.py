@@ -182,7 +182,7 @@ def _head_losses(layer: LatteParams, stacked: list[RecordedItem], m: Tensor, log
 def fit_layer(
     layer: LatteParams,
     items: list[RecordedItem],
-    steps: int = 30,
+    steps: int = 20,
     lr: float = 1.0,
     fit_sigma: bool = True,
     all_reduce: AllReduce = _no_reduce,
@@ -235,8 +235,8 @@ def fit_layer(
     best_m = torch.full((n_par,), m0, dtype=torch.float64)
     best_r = torch.zeros(n_par, dtype=torch.float64)
     with torch.no_grad():
-        for mm in (sorted({m0, 0.1, 0.3, 0.6, 1.0, 1.5, 2.5}) if fit_m else [m0]):
-            for r0 in (-2.0, 0.0, 1.0, 2.0, 3.0, 4.0, 6.0):
+        for mm in (sorted({m0, 0.3, 1.0, 2.0}) if fit_m else [m0]):
+            for r0 in (0.0, 2.0, 4.0, 8.0):
                 one = torch.tensor([mm], dtype=torch.float64)
                 val = losses(one, torch.tensor([r0], dtype=torch.float64))
                 val = val if per_head else val.sum().reshape(1)

@@ -20,6 +20,9 @@ def _atomic(path: str, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file normal permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -59,15 +59,14 @@ test_dataloader = val_dataloader
 val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json', backend_args=backend_args)
 test_evaluator = val_evaluator
 
-max_epochs = 6
+max_epochs = 3  # 3 x 500 iterations of 8 images: about 40 minutes on 2 cores
 optim_wrapper = dict(
     optimizer=dict(type='AdamW', lr=2e-4, weight_decay=1e-4),
     clip_grad=dict(max_norm=0.1, norm_type=2),
     paramwise_cfg=dict(custom_keys={'backbone': dict(lr_mult=1.0)}))  # from scratch: full rate
 train_cfg = dict(type='EpochBasedTrainLoop', max_epochs=max_epochs, val_interval=1)
-param_scheduler = [
+param_scheduler = [  # warm-up, then a constant learning rate
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=300),
-    dict(type='MultiStepLR', begin=0, end=max_epochs, by_epoch=True, milestones=[5], gamma=0.1),
 ]
 auto_scale_lr = dict(enable=False, base_batch_size=8)
 default_hooks = dict(logger=dict(interval=50), checkpoint=dict(interval=1, max_keep_ckpts=2))
