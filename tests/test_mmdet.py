@@ -214,3 +214,18 @@ def test_restricted_getattr_blocks_everything_but_history_buffer_stats(tmp_path)
     torch.save({"x": Sneaky()}, tmp_path / "bad.pth")
     with pytest.raises(Exception, match="only HistoryBuffer statistics methods"):
         torch.load(tmp_path / "bad.pth", weights_only=True)
+
+
+def test_embedded_checkpoint_matches_its_config():
+    """The committed embedded checkpoint loads (weights_only) into the embedded config's model, key for key."""
+    from mmengine.config import Config
+
+    ckpt_path = os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth")
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", "cond_detr_r18_synthetic_latte.py"))
+    model = _build(cfg.model)
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    assert os.path.getsize(ckpt_path) <= 25 * 2**20
+    missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in ckpt["state_dict"].items()}, strict=False)
+    assert not missing and not unexpected
+    assert ckpt["meta"]["epoch"] == 3
