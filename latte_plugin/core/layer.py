@@ -126,7 +126,9 @@ class LatteParams(nn.Module):
             m = self.m.view(-1, 1, 1) if variant == "latte" else 1.0
             o = kernels.fused_latte_attention(q, k, v, m, torch.exp(self.log_rho).view(-1, 1, 1), key_padding_mask)
         else:
-            fq, fk = self.features(q, k)
+            # feature maps in >= float32: squared features overflow float16 at large activations
+            acc = torch.promote_types(q.dtype, torch.float32)
+            fq, fk = self.features(q.to(acc), k.to(acc))
             o = kernels.linear_attention(fq, fk, v, key_padding_mask)
         b, h, n, dv = o.shape
         return o * self.sigma.view(h, 1, dv).to(o.dtype)
