@@ -54,7 +54,8 @@ class LatteConfig:
         lam: lambda of the sensitivity score.
         greedy_images: calibration images used by greedy selection.
         mode: mode of the selected layers, ``linear`` or ``dynamic``.
-        threshold: key count below which ``dynamic`` layers use softmax.
+        threshold: key count below which ``dynamic`` layers use softmax (default from the
+            measured CPU crossover; re-measure on your hardware).
         seed: seeds the recorders' sampling.
     """
 
@@ -74,7 +75,9 @@ class LatteConfig:
     lam: float = 10.0
     greedy_images: int = 8
     mode: str = "linear"
-    threshold: int = 0
+    # Crossover measured by benchmarks/attention.py on 2 CPU cores (fp32, 8 heads of 32):
+    # LATTE is slower than SDPA at 256 tokens and faster from 512 on (README, Performance).
+    threshold: int = 512
     seed: int = 0
 
     def validate(self) -> "LatteConfig":
