@@ -229,3 +229,19 @@ def test_embedded_checkpoint_matches_its_config():
                                                  for k, v in ckpt["state_dict"].items()}, strict=False)
     assert not missing and not unexpected
     assert ckpt["meta"]["epoch"] == 3
+
+
+def test_calibrated_checkpoint_from_another_config_is_refused(synthetic_data, tmp_path):
+    from mmengine.runner import Runner
+
+    from latte_plugin.mmdet.tools import run_calibration
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=2, steps=5)
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"))
+    other = tiny_cfg(synthetic_data, str(tmp_path / "other"), candidates=["encoder.layers.[0-2].self_attn"])
+    other.load_from = report["paths"]["checkpoint"]
+    runner = Runner.from_cfg(other)
+    with pytest.raises(ValueError, match="calibrated for LATTE candidates"):
+        runner.test()

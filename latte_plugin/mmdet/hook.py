@@ -9,7 +9,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmdet.registry import HOOKS
 
-from ..core.flow import LatteConfig
+from ..core.flow import LatteConfig, find_latte_layers
 from ..core.io import atomic_write_json
 from .calibrate import (build_calibration_loader, calibrate_detector, calibration_batches,
                         latte_layers_calibrated, linearize_model, unwrap)
@@ -63,6 +63,19 @@ class LinearizeHook(Hook):
     def before_run(self, runner) -> None:
         names = linearize_model(runner.model, self.latte_cfg)
         print_log(f"[latte] {len(names)} candidate attention layer(s): {', '.join(names)}", logger="current")
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        """Refuses a calibrated checkpoint made for other candidate layers (another model or config)."""
+        meta = (checkpoint.get("meta") or {}).get("latte") if isinstance(checkpoint, dict) else None
+        if not meta:
+            return
+        ours = list(find_latte_layers(unwrap(runner.model)))
+        theirs = list(meta.get("candidates", []))
+        if theirs != ours:
+            raise ValueError(
+                f"the checkpoint was calibrated for LATTE candidates {theirs}, but this config's "
+                f"candidates are {ours}: it comes from another model or config; re-run tools/calibrate.py"
+            )
 
     def before_val_epoch(self, runner) -> None:
         self._pending = True
