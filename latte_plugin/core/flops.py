@@ -9,7 +9,7 @@ One multiply-add counts as 2 FLOPs. Per head, with N queries, M keys, head width
 """
 from __future__ import annotations
 
-__all__ = ["exact_attention_flops", "linear_attention_flops", "layer_flops"]
+__all__ = ["exact_attention_flops", "linear_attention_flops", "uniform_attention_flops", "layer_flops", "mode_flops"]
 
 
 def exact_attention_flops(n: int, m: int, d: int, d_v: int, heads: int) -> int:
@@ -21,8 +21,20 @@ def linear_attention_flops(n: int, m: int, d: int, d_v: int, heads: int) -> int:
     return heads * (6 * (n + m) * d + 2 * m * f * d_v + m * f + 2 * n * f * d_v + 2 * n * f + n * d_v)
 
 
+def uniform_attention_flops(n: int, m: int, d_v: int, heads: int) -> int:
+    """The control: one mean over the M values, broadcast to N queries."""
+    return heads * (m * d_v + n * d_v)
+
+
 def layer_flops(n: int, m: int, embed_dim: int, heads: int, linear: bool) -> int:
     """FLOPs of one attention layer's core in the given mode."""
     d = embed_dim // heads
     fn = linear_attention_flops if linear else exact_attention_flops
     return fn(n, m, d, d, heads)
+
+
+def mode_flops(n: int, m: int, embed_dim: int, heads: int, mode: str) -> int:
+    """FLOPs of one attention layer's core in ``mode`` (``exact``, ``linear``/``dynamic``, ``uniform``)."""
+    if mode == "uniform":
+        return uniform_attention_flops(n, m, embed_dim // heads, heads)
+    return layer_flops(n, m, embed_dim, heads, mode != "exact")

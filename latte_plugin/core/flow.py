@@ -166,13 +166,15 @@ def _passthrough(it: Iterable, total: int, desc: str) -> Iterable:
     return it
 
 
-def attention_gflops(shapes: dict[str, tuple[int, int]], layers: dict[str, LatteParams], linear: Iterable[str]) -> float:
-    """Attention-core GFLOPs of one image, given each layer's ``(N, M)``."""
+def attention_gflops(
+    shapes: dict[str, tuple[int, int]], layers: dict[str, LatteParams], linear: Iterable[str], mode: str = "linear"
+) -> float:
+    """Attention-core GFLOPs of one image, given each layer's ``(N, M)``: ``linear`` layers in ``mode``, the rest exact."""
     linear = set(linear)
     total = 0
     for name, (n, m) in shapes.items():
         lay = layers[name]
-        total += flops_mod.layer_flops(n, m, lay.embed_dim, lay.num_heads, name in linear)
+        total += flops_mod.mode_flops(n, m, lay.embed_dim, lay.num_heads, mode if name in linear else "exact")
     return total / 1e9
 
 

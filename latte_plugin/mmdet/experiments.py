@@ -16,8 +16,7 @@ from typing import Callable, Optional
 import torch
 from mmengine.logging import print_log
 
-from ..core.flops import layer_flops
-from ..core.flow import LatteConfig, find_latte_layers, set_modes
+from ..core.flow import LatteConfig, attention_gflops, find_latte_layers, set_modes
 from .calibrate import calibrate_detector, detector_forward, unwrap
 from .tools import evaluate_bbox
 
@@ -49,17 +48,6 @@ ROWS = [
 ]
 #: The row whose calibrated checkpoint the main job saves and reports at the top level.
 DEFAULT_ROW = "latte+greedy"
-
-
-def _gflops(shapes: dict, layers: dict) -> float:
-    total = 0
-    for name, lay in layers.items():
-        n = shapes[name]
-        if lay.mode == "uniform":
-            total += 2 * n * lay.embed_dim
-        else:
-            total += layer_flops(n, n, lay.embed_dim, lay.num_heads, lay.mode != "exact")
-    return total / 1e9
 
 
 @torch.no_grad()
@@ -140,12 +128,12 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
                   f"({time.time() - t0:.0f} s)", logger="current")
     # GFLOPs per row from the token counts the calibration measured (self-attention: M = N).
     shapes = next(iter(reports.values()))["tokens"] if reports else {}
+    pairs = {n: (t, t) for n, t in shapes.items()}
     layers = find_latte_layers(model)
     exact_map = results.get("exact", {}).get("bbox_mAP", float("nan"))
     for row in rows:
         r = results[row.name]
         mode = "uniform" if row.kind == "uniform" else "linear"
-        set_modes(layers, r["linearized"], mode)
-        r["attention_gflops"] = _gflops(shapes, layers) if shapes else float("nan")
+        r["attention_gflops"] = attention_gflops(pairs, layers, r["linearized"], mode) if shapes else float("nan")
         r["retained"] = r["bbox_mAP"] / exact_map if exact_map and exact_map > 0 else float("nan")
     return {"rows": results, "reports": reports}
