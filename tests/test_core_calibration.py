@@ -164,8 +164,13 @@ def test_modes_and_bad_settings():
     torch.testing.assert_close(lat(x, x, x)[0], exact, atol=1e-6, rtol=1e-6)
     lat.latte.threshold.fill_(5)
     assert not torch.allclose(lat(x, x, x)[0], exact, atol=1e-4)
-    with pytest.raises(ValueError, match="attention mask"):
-        lat(x, x, x, attn_mask=torch.ones(9, 9, dtype=torch.bool).triu(1))
+    causal = torch.ones(9, 9, dtype=torch.bool).triu(1)
+    out = lat(x, x, x, attn_mask=causal)[0]  # honoured on the quadratic masked path
+    x2 = x.clone()
+    x2[:, -1] += 1.0
+    torch.testing.assert_close(lat(x2, x2, x2, attn_mask=causal)[0][:, :-1], out[:, :-1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="additive attention bias"):
+        lat(x, x, x, attn_mask=torch.randn(9, 9))
     with pytest.raises(ValueError, match="alpha must be"):
         lat.latte.set_alpha(1.5)
     with pytest.raises(ValueError, match="unknown attention mode"):

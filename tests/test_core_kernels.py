@@ -132,9 +132,18 @@ def test_low_precision_accumulates_in_float32(dtype, tol):
 def test_attention_mask_rejected_or_honoured():
     q, k, v = qkv(1, 2, 5, 5, 4)
     causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
-    with pytest.raises(ValueError, match="attention mask"):
-        K.check_attn_mask(causal)
-    K.check_attn_mask(torch.zeros(5, 5, dtype=torch.bool))  # masks nothing: accepted
+    assert K.bool_attn_mask(torch.zeros(5, 5, dtype=torch.bool)) is None  # masks nothing
+    assert K.bool_attn_mask(torch.zeros(5, 5)) is None
+    additive = torch.zeros(5, 5).masked_fill(causal, float("-inf"))
+    assert torch.equal(K.bool_attn_mask(additive), causal[None, None])
+    assert torch.equal(K.bool_attn_mask(torch.zeros(5, 5).masked_fill(causal, torch.finfo(torch.float32).min)),
+                       causal[None, None])
+    with pytest.raises(ValueError, match="additive attention bias"):
+        K.bool_attn_mask(torch.randn(5, 5))
+    # kernel attention under a general mask == the explicit masked, normalised score matrix
+    fq, fk = K.variant_features(q, k, "latte", 0.7, 1.0, 1.0, 1.0, 1.0)
+    s = (fq @ fk.transpose(-1, -2)).masked_fill(causal, 0.0)
+    torch.testing.assert_close(K.naive_linear_attention(fq, fk, v, attn_mask=causal), (s / s.sum(-1, keepdim=True)) @ v)
     out = K.naive_softmax_attention(q, k, v, attn_mask=causal)
     torch.testing.assert_close(out[..., 0, :], v[..., 0, :])  # first query sees only key 0
     torch.testing.assert_close(K.softmax_attention(q, k, v, attn_mask=causal), out, atol=1e-6, rtol=1e-6)

@@ -32,13 +32,15 @@ class RecordedItem:
     """One image's view of one layer: the sampled queries, all valid keys and the softmax target.
 
     Shapes: q ``(H, n, d)``, k ``(H, M, d)``, v ``(H, M, d_v)``, target ``(H, n, d_v)``.
-    Padded keys are dropped at record time, so no mask is needed later.
+    Padded keys are dropped at record time. ``mask`` ``(1, n, M)`` (``True`` = masked pair)
+    is kept only for layers with a general mask (e.g. causal text attention).
     """
 
     q: Tensor
     k: Tensor
     v: Tensor
     target: Tensor
+    mask: Optional[Tensor] = None
 
 
 @dataclass
@@ -66,7 +68,14 @@ class LayerRecorder:
     def __post_init__(self) -> None:
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], out: Tensor) -> None:
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], out: Tensor,
+        attn_mask: Optional[Tensor] = None,
+    ) -> None:
+        """Records a batch: q ``(B, H, N, d)``, k/v ``(B, H, M, .)``, out ``(B, H, N, d_v)``;
+        ``attn_mask`` bool ``(B|1, 1, N, M)`` (``True`` = masked), the same for every head."""
+        if attn_mask is not None and attn_mask.shape[1] != 1 and not bool((attn_mask == attn_mask[:, :1]).all()):
+            raise ValueError(f"layer '{self.name}': per-head attention masks are not supported by LATTE calibration")
         for name, t in (("q", q), ("k", k), ("v", v), ("output", out)):
             if not bool(torch.isfinite(t).all()):
                 raise FloatingPointError(
@@ -86,14 +95,19 @@ class LayerRecorder:
             else:
                 idx = torch.arange(n)
             kb, vb = k[b], v[b]
+            mask = None
+            if attn_mask is not None:
+                mask = attn_mask[b if attn_mask.shape[0] > 1 else 0, :1].expand(1, n, k.shape[2])[:, idx.to(q.device)]
             if key_padding_mask is not None:
                 keep = ~key_padding_mask[b]
                 kb, vb = kb[:, keep], vb[:, keep]
+                mask = None if mask is None else mask[:, :, keep]
             item = RecordedItem(
                 q=q[b][:, idx].detach().float().cpu(),
                 k=kb.detach().float().cpu(),
                 v=vb.detach().float().cpu(),
                 target=out[b][:, idx].detach().float().cpu(),
+                mask=None if mask is None else mask.detach().cpu(),
             )
             if slot == len(self.items):
                 self.items.append(item)
@@ -123,7 +137,11 @@ def softmax_weighted_mean_score(items: list[RecordedItem], all_reduce: AllReduce
     vals = []
     for it in items:
         x = it.q @ it.k.transpose(-1, -2) / math.sqrt(it.q.shape[-1])
-        p = torch.softmax(x, dim=-1)
+        if it.mask is not None:
+            p = torch.softmax(x.masked_fill(it.mask, float("-inf")), dim=-1).nan_to_num(0.0)
+            x = x.masked_fill(it.mask, 0.0)
+        else:
+            p = torch.softmax(x, dim=-1)
         vals.append(((p * x).sum(), float(x.shape[0] * x.shape[1])))
     acc = _sum_count(vals, all_reduce)
     if acc[1] == 0:
@@ -142,15 +160,21 @@ def _stack_by_shape(items: list[RecordedItem]) -> list[RecordedItem]:
     """
     groups: dict[tuple, list[RecordedItem]] = {}
     for it in items:
-        groups.setdefault((tuple(it.q.shape), tuple(it.k.shape)), []).append(it)
+        key = (tuple(it.q.shape), tuple(it.k.shape), it.mask is None)
+        groups.setdefault(key, []).append(it)
     return [
-        RecordedItem(*(torch.stack([getattr(it, f) for it in g]).double() for f in ("q", "k", "v", "target")))
+        RecordedItem(
+            *(torch.stack([getattr(it, f) for it in g]).double() for f in ("q", "k", "v", "target")),
+            mask=None if g[0].mask is None else torch.stack([it.mask for it in g]),
+        )
         for g in groups.values()
     ]
 
 
 def _linear_outputs(layer: LatteParams, it: RecordedItem, m: Tensor, log_rho: Tensor) -> Tensor:
     fq, fk = layer.features(it.q, it.k, m=m, log_rho=log_rho)
+    if it.mask is not None:  # general (causal) mask: the quadratic masked form
+        return kernels.naive_linear_attention(fq, fk, it.v, attn_mask=it.mask)
     return kernels.linear_attention(fq, fk, it.v)  # (H, n, d_v)
 
 

@@ -29,7 +29,7 @@ __all__ = [
     "variant_features",
     "naive_linear_attention",
     "linear_attention",
-    "check_attn_mask",
+    "bool_attn_mask",
     "uniform_attention",
     "fused_latte_attention",
 ]
@@ -38,25 +38,6 @@ __all__ = [
 VARIANTS = ("qtvit", "jpn_only", "tte_only", "latte")
 
 _EPS = 1e-6
-
-
-def check_attn_mask(attn_mask: Optional[Tensor], where: str = "linear attention") -> None:
-    """Rejects an attention mask that linear attention cannot honour.
-
-    Linear attention factorises ``K^T V`` over all keys, so an arbitrary per-query mask
-    cannot be applied. A mask that masks nothing (all ``False`` / all zero) is accepted.
-
-    Raises:
-        ValueError: if ``attn_mask`` masks anything.
-    """
-    if attn_mask is None:
-        return
-    masks_something = attn_mask.any() if attn_mask.dtype == torch.bool else (attn_mask != 0).any()
-    if bool(masks_something):
-        raise ValueError(
-            f"{where} cannot honour an attention mask (attn_mask of shape {tuple(attn_mask.shape)}); "
-            "use key_padding_mask for padding, or keep this layer exact (mode='exact')."
-        )
 
 
 def _additive_mask(
@@ -263,13 +244,21 @@ def variant_features(
 
 
 def naive_linear_attention(
-    fq: Tensor, fk: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference kernel attention with the full score matrix ``S = fq fk^T``.
+
+    It is also the path for a general (e.g. causal) mask, which the factorised
+    :func:`linear_attention` cannot honour: masked pairs get zero weight in both sums.
 
     Args:
         fq: ``(B, H, N, F)`` non-negative-score features; fk: ``(B, H, M, F)``; v: ``(B, H, M, d_v)``.
         key_padding_mask: ``(B, M)``, ``True`` = padded key (removed from both sums).
+        attn_mask: bool, broadcastable to ``(B, H, N, M)``, ``True`` = masked pair.
 
     Returns:
         ``(B, H, N, d_v)``; rows with no valid key return zeros.
@@ -277,8 +266,36 @@ def naive_linear_attention(
     scores = fq @ fk.transpose(-1, -2)
     if key_padding_mask is not None:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], 0.0)
+    if attn_mask is not None:
+        scores = scores.masked_fill(attn_mask, 0.0)
     denom = scores.sum(dim=-1, keepdim=True)
     return (scores @ v) / torch.where(denom != 0, denom, torch.ones_like(denom))
+
+
+def bool_attn_mask(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """An attention mask as bool (``True`` = masked), or ``None`` if it masks nothing.
+
+    Accepts bool masks and additive float masks made of 0 and very negative values
+    (``-inf`` or the dtype's minimum). A ``(N, M)`` mask becomes ``(1, 1, N, M)``.
+
+    Raises:
+        ValueError: for a float mask holding other values (additive biases such as ALiBi),
+            which no kernel feature map can reproduce.
+    """
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        masked = attn_mask
+    else:
+        masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
+        if not bool(((attn_mask == 0) | masked).all()):
+            raise ValueError(
+                f"LATTE linear attention cannot honour an additive attention bias (attn_mask of shape "
+                f"{tuple(attn_mask.shape)} holds values other than 0 / -inf); keep this layer exact"
+            )
+    if not bool(masked.any()):
+        return None
+    return masked[None, None] if masked.dim() == 2 else masked
 
 
 def linear_attention(

@@ -22,6 +22,13 @@ __all__ = ["MODES", "LatteParams", "merge_heads"]
 MODES = ("exact", "linear", "dynamic", "uniform")
 
 
+def _fastpath_guard(module: nn.Module, args: tuple) -> None:
+    """A no-op forward pre-hook. Its presence stops ``nn.TransformerEncoderLayer``'s fused
+    inference fast path, which would call torch's native attention kernel and bypass the
+    LATTE core of a swapped ``self_attn`` (the layer checks for hooks on all submodules)."""
+    return None
+
+
 class LatteParams(nn.Module):
     """The LATTE scalars of one attention layer (spec sections 2-5, 8).
 
@@ -62,6 +69,7 @@ class LatteParams(nn.Module):
         self.recorder: Optional[Callable[..., None]] = None
         #: Set by sensitivity scoring to receive this layer's output ``(B, N, C)``.
         self.probe: Optional[Callable[[Tensor], None]] = None
+        self.register_forward_pre_hook(_fastpath_guard)
 
     # -- names <-> buffers -------------------------------------------------------------
     @property
@@ -115,21 +123,28 @@ class LatteParams(nn.Module):
         delta = torch.exp(0.5 * log_rho)
         return kernels.variant_features(q, k, self.variant, m, delta, delta, 1.0, 1.0)
 
-    def linear(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    def linear(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
+        attn_mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """LATTE linear attention with sigma applied: ``(B, H, N, d_v)``.
 
         ``latte`` and ``jpn_only`` run the fused fast path; the others (and calibration, via
-        :meth:`features`) use the reference composition it is tested against.
+        :meth:`features`) use the reference composition it is tested against. A general
+        ``attn_mask`` (bool, ``True`` = masked, e.g. causal) takes the quadratic masked path.
         """
         variant = self.variant
-        if variant in ("latte", "jpn_only"):
+        if attn_mask is None and variant in ("latte", "jpn_only"):
             m = self.m.view(-1, 1, 1) if variant == "latte" else 1.0
             o = kernels.fused_latte_attention(q, k, v, m, torch.exp(self.log_rho).view(-1, 1, 1), key_padding_mask)
         else:
             # feature maps in >= float32: squared features overflow float16 at large activations
             acc = torch.promote_types(q.dtype, torch.float32)
             fq, fk = self.features(q.to(acc), k.to(acc))
-            o = kernels.linear_attention(fq, fk, v, key_padding_mask)
+            if attn_mask is None:
+                o = kernels.linear_attention(fq, fk, v, key_padding_mask)
+            else:
+                o = kernels.naive_linear_attention(fq, fk, v.to(acc), key_padding_mask, attn_mask).to(v.dtype)
         b, h, n, dv = o.shape
         return o * self.sigma.view(h, 1, dv).to(o.dtype)
 
@@ -150,7 +165,8 @@ class LatteParams(nn.Module):
         Args:
             q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``.
             key_padding_mask: ``(B, M)`` bool, ``True`` = padded.
-            attn_mask: honoured in softmax; linear attention raises ``ValueError`` if it masks anything.
+            attn_mask: ``(N, M)`` or ``(B, H, N, M)``, bool (``True`` = masked) or additive. Linear
+                mode honours 0/-inf masks on a quadratic path and rejects other additive biases.
 
         Returns:
             ``(B, H, N, d_v)``.
@@ -158,12 +174,15 @@ class LatteParams(nn.Module):
         if self.mode == "uniform":
             out = kernels.uniform_attention(v, key_padding_mask, q.shape[-2])
         elif self.use_linear(k.shape[-2]):
-            kernels.check_attn_mask(attn_mask, "LATTE linear attention")
-            out = self.linear(q, k, v, key_padding_mask)
+            out = self.linear(q, k, v, key_padding_mask, kernels.bool_attn_mask(attn_mask))
         else:
             out = kernels.softmax_attention(q, k, v, key_padding_mask, attn_mask)
             if self.recorder is not None:
-                self.recorder(q, k, v, key_padding_mask, out)
+                masked = kernels.bool_attn_mask(attn_mask)
+                if masked is None:
+                    self.recorder(q, k, v, key_padding_mask, out)
+                else:
+                    self.recorder(q, k, v, key_padding_mask, out, attn_mask=masked)
         if self.probe is not None:
             self.probe(merge_heads(out))
         return out

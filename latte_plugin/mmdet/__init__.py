@@ -2,7 +2,7 @@
 
     custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
 
-It registers ``LATTEAttention`` (``MODELS``) and ``LinearizeHook`` (``HOOKS``), and lets
+It registers ``LATTEAttention`` and the ``HFRTDETR`` detector (``MODELS``) and ``LinearizeHook`` (``HOOKS``), and lets
 ``torch.load(weights_only=True)`` accept the few mmengine classes that Runner-saved
 checkpoints contain (see :mod:`.checkpoint`), so no unsafe loading is ever needed.
 """
@@ -10,7 +10,8 @@ from .attention import LATTEAttention
 from .calibrate import calibrate_detector, linearize_model
 from .checkpoint import register_safe_globals
 from .hook import LinearizeHook
+from .rtdetr import HFRTDETR
 
 register_safe_globals()
 
-__all__ = ["LATTEAttention", "LinearizeHook", "calibrate_detector", "linearize_model", "register_safe_globals"]
+__all__ = ["HFRTDETR", "LATTEAttention", "LinearizeHook", "calibrate_detector", "linearize_model", "register_safe_globals"]

@@ -20,7 +20,7 @@ from mmengine.utils import ProgressBar
 from torch import nn
 
 from ..core.flow import LatteConfig, calibrate_model, find_latte_layers
-from ..core.mha import swap_attention
+from ..linearize import swap_attention
 
 __all__ = [
     "unwrap",

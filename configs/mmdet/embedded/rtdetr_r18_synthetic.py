@@ -1,0 +1,68 @@
+# The embedded RT-DETR: HF transformers' RTDetrForObjectDetection (small ResNet, 1 AIFI layer,
+# 6 decoder layers, 300 queries) wrapped as an mmdet detector (latte_plugin.mmdet.HFRTDETR) and
+# trained from scratch with mmdet's own loop on the generated "key-colour" data
+# (python -m latte_plugin.data.synthetic data/synthetic --train 4000 --val 300).
+# Train:  python $MMDET/.mim/tools/train.py configs/mmdet/embedded/rtdetr_r18_synthetic.py
+# LATTE:  see rtdetr_r18_synthetic_latte.py
+_base_ = ['mmdet::_base_/datasets/coco_detection.py', 'mmdet::_base_/default_runtime.py']
+
+custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
+
+hidden = 128
+model = dict(
+    type='HFRTDETR',
+    hf_config=dict(  # transformers.RTDetrConfig keywords
+        backbone_config=dict(model_type='rt_detr_resnet', layer_type='basic', embedding_size=32,
+                             hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
+                             out_features=['stage2', 'stage3', 'stage4']),
+        encoder_in_channels=[64, 128, 256], encoder_hidden_dim=hidden, encoder_ffn_dim=4 * hidden,
+        encoder_attention_heads=4, hidden_expansion=0.5,
+        d_model=hidden, decoder_in_channels=[hidden] * 3, decoder_ffn_dim=4 * hidden,
+        decoder_attention_heads=4, decoder_layers=6, num_queries=300, num_labels=4),
+    # RT-DETR takes RGB in [0, 1]
+    data_preprocessor=dict(type='DetDataPreprocessor', mean=[0, 0, 0], std=[255, 255, 255],
+                           bgr_to_rgb=True, pad_size_divisor=32),
+    test_cfg=dict(max_per_img=100))
+
+data_root = 'data/synthetic/'
+metainfo = dict(classes=('square-red', 'square-blue', 'disc-red', 'disc-blue'))
+backend_args = None
+image_size = 256
+train_pipeline = [
+    dict(type='LoadImageFromFile', backend_args=backend_args),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='Resize', scale=(image_size, image_size), keep_ratio=False),
+    dict(type='PackDetInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile', backend_args=backend_args),
+    dict(type='Resize', scale=(image_size, image_size), keep_ratio=False),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
+]
+train_dataloader = dict(
+    batch_size=8, num_workers=1, persistent_workers=True,
+    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_train.json',
+                 data_prefix=dict(img='train/'), pipeline=train_pipeline))
+val_dataloader = dict(
+    batch_size=8, num_workers=0, persistent_workers=False,
+    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_val.json',
+                 data_prefix=dict(img='val/'), pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json', backend_args=backend_args)
+test_evaluator = val_evaluator
+
+max_epochs = 4
+optim_wrapper = dict(
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=2e-4, weight_decay=1e-4),
+    clip_grad=dict(max_norm=0.1, norm_type=2))
+train_cfg = dict(type='EpochBasedTrainLoop', max_epochs=max_epochs, val_interval=1)
+val_cfg = dict(type='ValLoop')
+test_cfg = dict(type='TestLoop')
+param_scheduler = [dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=300)]
+auto_scale_lr = dict(enable=False, base_batch_size=8)
+default_hooks = dict(logger=dict(interval=10), checkpoint=dict(interval=1, max_keep_ckpts=2))
+randomness = dict(seed=0, deterministic=False)
+env_cfg = dict(dist_cfg=dict(backend='gloo'))
