@@ -9,7 +9,7 @@ from latte_plugin.core import (LatteConfig, LatteMultiheadAttention, LayerRecord
                                find_latte_layers, fit_layer, naive_sensitivity_score, num_linear_layers,
                                select_by_score, set_modes, swap_attention)
 from latte_plugin.core.flops import exact_attention_flops, layer_flops, linear_attention_flops
-from latte_plugin.core.selection import SensitivityStats, greedy_select
+from latte_plugin.core.selection import SensitivityStats, backward_select, greedy_select
 from tests.toy import ToyEncoder, toy_batches
 
 
@@ -208,3 +208,57 @@ def test_per_head_fit_is_at_least_as_good_as_shared():
     per_head = fit_layer(layer, rec.items, steps=15, per_head=True).final_mse
     assert per_head <= shared * (1 + 1e-9)
     assert "alpha_per_head" in layer.scalars() or len(set(layer.m.tolist())) == 1
+
+
+def test_heldout_knobs_and_output_refit():
+    """Held-out items choose the L-BFGS iterations and the refit strength; the refit (a ridge
+    refit of the whole output, beyond the paper) beats sigma on the fit set, a huge ridge
+    reduces it to no correction, and every choice is reported."""
+    model = ToyEncoder().eval()
+    swap_attention(model, ["layers.*.attn"])
+    batches = toy_batches(n=8)
+    layer, fit_rec = _record(model, batches[:6], "layers.2.attn")
+    _, held_rec = _record(model, batches[6:], "layers.2.attn")
+
+    sig = fit_layer(layer, fit_rec.items, steps=20, heldout=held_rec.items)
+    assert set(sig.heldout["steps"]) == {0, 5, 10, 20} and sig.steps in sig.heldout["steps"]
+    assert sig.heldout_mse == pytest.approx(sig.heldout["correction"]["sigma"])
+    assert min(sig.heldout["steps"].values()) == pytest.approx(sig.heldout["steps"][sig.steps])
+    assert not bool(layer.refit_on)
+
+    ref = fit_layer(layer, fit_rec.items, steps=20, heldout=held_rec.items, refit=True)
+    assert bool(layer.refit_on) and ref.refit_reg in ref.heldout["refit_reg"]
+    assert ref.heldout_mse == pytest.approx(min(ref.heldout["refit_reg"].values()))
+    assert ref.final_mse < sig.final_mse  # a full refit fits the fit set better than a diagonal
+    q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
+    o = layer.linear(q, k, v)
+    assert torch.isfinite(o).all()
+
+    with pytest.raises(ValueError, match="held-out"):
+        fit_layer(layer, fit_rec.items, steps=5, refit=True)  # several strengths, nothing held out
+    big = fit_layer(layer, fit_rec.items, steps=5, refit=True, refit_regs=(1e9,))
+    torch.testing.assert_close(layer.refit_weight, torch.eye(32), atol=1e-4, rtol=0)
+    assert big.refit_reg == 1e9
+
+
+@pytest.mark.parametrize("selection", ["greedy", "backward"])
+def test_flow_reports_heldout_split_and_distortion(selection):
+    model = ToyEncoder().eval()
+    swap_attention(model, ["layers.*.attn"])
+    rep = calibrate_model(model, toy_batches(n=8), lambda b: model(b),
+                          LatteConfig(candidates=["layers.*.attn"], ratio=0.67, steps=5, selection=selection,
+                                      refit=True, holdout=0.25), log=lambda s: None)
+    sel = rep["selection"]
+    assert sel["method"] == selection and sel["fit_batches"] == 6 and sel["heldout_batches"] == 2
+    assert len(rep["linearized"]) == 4 and sel["heldout_distortion"] > 0
+    for fit in rep["fit"].values():
+        assert fit["refit_reg"] is not None and fit["heldout_mse"] is not None
+    with pytest.raises(ValueError, match="holdout"):
+        LatteConfig(holdout=1.0).validate()
+
+
+def test_backward_select_restores_the_most_harmful_layers():
+    cost = {"a": 1.0, "b": 5.0, "c": 2.0, "d": 0.5}
+    chosen, trace = backward_select(list(cost), 2, lambda linear: sum(cost[n] for n in linear))
+    assert sorted(chosen) == ["a", "d"]
+    assert [t["restored"] for t in trace[1:]] == ["b", "c"]

@@ -19,7 +19,7 @@ from . import flops as flops_mod
 from .calibration import AllReduce, LayerRecorder, fit_layer
 from .kernels import VARIANTS
 from .layer import MODES, LatteParams
-from .selection import SensitivityStats, greedy_select, num_linear_layers, select_by_score
+from .selection import SensitivityStats, backward_select, greedy_select, num_linear_layers, select_by_score
 
 __all__ = [
     "LatteConfig",
@@ -30,7 +30,7 @@ __all__ = [
     "attention_gflops",
 ]
 
-SELECTIONS = ("score", "greedy")
+SELECTIONS = ("score", "greedy", "backward")
 
 
 @dataclass
@@ -44,13 +44,19 @@ class LatteConfig:
         variant: one of ``qtvit``, ``jpn_only``, ``tte_only``, ``latte``.
         num_images: calibration images taken from the train split.
         max_items, max_queries: recording bounds per layer (images, query tokens per image).
-        steps, lr: the per-layer fit's L-BFGS iterations and step scale.
-        fit_sigma: fit the output rescaling sigma.
+        steps, lr: the per-layer fit's maximum L-BFGS iterations and step scale; with held-out
+            images the iteration count is chosen on them (among 0, 5, 10, 20, 40, 80 up to ``steps``).
+        fit_sigma: fit the output rescaling sigma (the paper's diagonal correction).
+        refit: fit a ridge-regularised full refit of each layer's output instead of sigma
+            (beyond the paper); the ridge strength is chosen on held-out images among ``refit_reg``.
+        refit_reg: candidate ridge strengths (relative to the input energy).
+        holdout: fraction of the calibration batches held out from fitting and selection; the
+            knobs above are chosen on them and the report gives held-out errors. 0 disables.
         per_head: fit one (alpha, rho) per head instead of one per layer (beyond the paper).
         sequential: fit layer l on inputs from the model with layers < l already linear.
-        selection: ``greedy`` (global: add the layer that hurts the model's final output least;
-            the default, since it kept 87% vs 45% for the paper's score on the embedded model)
-            or ``score`` (the paper's per-layer score with ``lam``).
+        selection: ``greedy`` (global: add the layer that hurts the model's final output least),
+            ``backward`` (global: start all-linear, restore the most harmful layer to exact
+            until ``k`` remain) or ``score`` (the paper's per-layer score with ``lam``).
         lam: lambda of the sensitivity score.
         greedy_images: calibration images used by greedy selection.
         mode: mode of the selected layers, ``linear`` or ``dynamic``.
@@ -69,6 +75,9 @@ class LatteConfig:
     steps: int = 20
     lr: float = 1.0
     fit_sigma: bool = True
+    refit: bool = False
+    refit_reg: Sequence[float] = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+    holdout: float = 0.25
     per_head: bool = False
     sequential: bool = False
     selection: str = "greedy"
@@ -90,6 +99,12 @@ class LatteConfig:
             raise ValueError(f"mode of the selected layers must be 'linear' or 'dynamic', got {self.mode!r}")
         if self.num_linear is None:
             num_linear_layers(1, ratio=self.ratio)  # validates the ratio
+        if not 0.0 <= float(self.holdout) < 1.0:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if isinstance(self.refit_reg, (int, float)):
+            self.refit_reg = (float(self.refit_reg),)
+        if not self.refit_reg or any(float(r) < 0 for r in self.refit_reg):
+            raise ValueError(f"refit_reg must be non-empty and >= 0, got {self.refit_reg}")
         if int(self.num_images) < 1:
             raise ValueError(f"num_images must be >= 1, got {self.num_images}")
         if isinstance(self.candidates, str):
@@ -109,6 +124,7 @@ class LatteConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["candidates"] = list(d["candidates"])
+        d["refit_reg"] = [float(r) for r in d["refit_reg"]]
         return d
 
 
@@ -187,6 +203,7 @@ def calibrate_model(
     all_reduce: Optional[AllReduce] = None,
     log: Callable[[str], None] = print,
     progress: Callable[[Iterable, int, str], Iterable] = _passthrough,
+    shard: tuple[int, int] = (0, 1),
 ) -> dict:
     """Records, fits, scores and selects; leaves ``model`` hybrid and returns the report.
 
@@ -198,6 +215,10 @@ def calibrate_model(
         all_reduce: sums a float64 tensor across ranks in place; identity when None.
         log: receives progress lines.
         progress: wraps an iterable in a progress bar.
+        shard: ``(rank, world_size)``. Batches are assumed dealt to ranks round-robin (as
+            mmengine's ``DefaultSampler`` and detectron2's samplers do), so local batch ``i`` is
+            global batch ``i * world_size + rank``; the held-out split is made on global
+            positions and is the same whatever the number of processes.
 
     Returns:
         ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config}``.
@@ -218,27 +239,42 @@ def calibrate_model(
         layer.variant = cfg.variant
         layer.mode = "exact"
 
-    def run_all(desc: str) -> None:
-        for batch in progress(batches, len(batches), desc):
-            forward(batch)
+    # held-out batches: never fitted on or selected on; the knobs are chosen on them
+    batches = list(batches)
+    rank, world = shard
+    period = max(2, int(round(1.0 / float(cfg.holdout)))) if cfg.holdout > 0 else 0
+    is_held = [period > 0 and (i * world + rank) % period == period - 1 for i in range(len(batches))]
+    fit_batches = [b for b, h in zip(batches, is_held) if not h]
+    held_batches = [b for b, h in zip(batches, is_held) if h]
+
+    def record(group: list[str], desc: str) -> tuple[dict, dict]:
+        recs = {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group}
+        held = {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed + 1) for n in group}
+        try:
+            for part, rec in ((fit_batches, recs), (held_batches, held)):
+                for n in group:
+                    layers[n].recorder = rec[n]
+                for batch in progress(part, len(part), desc if rec is recs else desc + " (held-out)"):
+                    forward(batch)
+        finally:
+            for n in group:
+                layers[n].recorder = None
+        return recs, held
 
     # 1-2. record and fit
     fits = {}
     groups = [[n] for n in names] if cfg.sequential else [names]
     for group in groups:
-        recs = {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group}
+        recs, held = record(group, f"recording {group[0]}" if cfg.sequential else "recording")
         for n in group:
-            layers[n].recorder = recs[n]
-        try:
-            run_all(f"recording {group[0]}" if cfg.sequential else "recording")
-        finally:
-            for n in group:
-                layers[n].recorder = None
-        for n in group:
-            res = fit_layer(layers[n], recs[n].items, cfg.steps, cfg.lr, cfg.fit_sigma, reduce, cfg.per_head)
-            fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init}
+            res = fit_layer(layers[n], recs[n].items, cfg.steps, cfg.lr, cfg.fit_sigma, reduce, cfg.per_head,
+                            heldout=held[n].items, refit=cfg.refit, refit_regs=tuple(cfg.refit_reg))
+            fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
+                       "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
+                       "heldout": res.heldout}
+            held_txt = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e} (steps {res.steps})"
             log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={float(layers[n].log_rho.exp().mean()):.4g} "
-                f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}")
+                f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held_txt}")
             if cfg.sequential:
                 layers[n].mode = "linear"
 
@@ -255,7 +291,7 @@ def calibrate_model(
     for n in names:
         layers[n].probe = make_probe(n)
     try:
-        for batch in progress(batches, len(batches), "scoring"):
+        for batch in progress(fit_batches, len(fit_batches), "scoring"):
             set_modes(layers, [])
             captured.clear()
             forward(batch)
@@ -284,10 +320,8 @@ def calibrate_model(
 
     # 4. select
     trace: list[dict] = []
-    if cfg.selection == "score":
-        chosen = select_by_score(sens, k)
-    else:
-        sub = list(batches[: max(1, cfg.greedy_images)])
+
+    def distortion_on(sub: list) -> Callable[[list[str]], float]:
         set_modes(layers, [])
         ref = [forward(b) for b in sub]
 
@@ -299,9 +333,18 @@ def calibrate_model(
                 acc[0] += e
                 acc[1] += c
             acc = reduce(acc)
-            return float(acc[0] / acc[1])
+            return float(acc[0] / acc[1]) if float(acc[1]) > 0 else float("nan")
 
-        chosen, trace = greedy_select(names, k, distortion)
+        return distortion
+
+    if cfg.selection == "score":
+        chosen = select_by_score(sens, k)
+    else:
+        select = greedy_select if cfg.selection == "greedy" else backward_select
+        chosen, trace = select(names, k, distortion_on(list(fit_batches[: max(1, cfg.greedy_images)])))
+    heldout_distortion = None
+    if float(reduce(torch.tensor([float(len(held_batches))], dtype=torch.float64))[0]) > 0:
+        heldout_distortion = distortion_on(held_batches)(list(chosen))
     chosen = [n for n in names if n in chosen]
     set_modes(layers, chosen, cfg.mode)
     for layer in layers.values():
@@ -317,7 +360,8 @@ def calibrate_model(
         "params": {n: layers[n].scalars() for n in names},
         "sigma_mean": {n: float(layers[n].sigma.mean()) for n in names},
         "fit": fits,
-        "selection": {"method": cfg.selection, "k": k, "trace": trace},
+        "selection": {"method": cfg.selection, "k": k, "trace": trace, "heldout_distortion": heldout_distortion,
+                      "fit_batches": len(fit_batches), "heldout_batches": len(held_batches)},
         "tokens": {n: mean_shapes[n][0] for n in names},
         "attention_gflops": {
             "exact": attention_gflops(mean_shapes, layers, []),

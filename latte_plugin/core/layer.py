@@ -59,6 +59,11 @@ class LatteParams(nn.Module):
         self.register_buffer("m", torch.ones(num_heads))
         self.register_buffer("log_rho", torch.zeros(num_heads))
         self.register_buffer("sigma", torch.ones(embed_dim))
+        # Output refit (beyond the paper): o <- o W^T + b on the concatenated heads, i.e. the
+        # output projection refitted as W_o W, b_o + W_o b. Identity / off unless calibrated so.
+        self.register_buffer("refit_weight", torch.eye(embed_dim))
+        self.register_buffer("refit_bias", torch.zeros(embed_dim))
+        self.register_buffer("refit_on", torch.tensor(False))
         self.register_buffer("variant_id", torch.tensor(0, dtype=torch.long))
         self.register_buffer("mode_id", torch.tensor(0, dtype=torch.long))
         self.register_buffer("threshold", torch.tensor(int(threshold), dtype=torch.long))
@@ -145,8 +150,22 @@ class LatteParams(nn.Module):
                 o = kernels.linear_attention(fq, fk, v, key_padding_mask)
             else:
                 o = kernels.naive_linear_attention(fq, fk, v.to(acc), key_padding_mask, attn_mask).to(v.dtype)
-        b, h, n, dv = o.shape
-        return o * self.sigma.view(h, 1, dv).to(o.dtype)
+        return self.correct(o)
+
+    def correct(self, o: Tensor) -> Tensor:
+        """The output correction of linear attention: sigma, then the refit if fitted.
+
+        Args:
+            o: ``(..., H, N, d_v)``. Returns: the same shape.
+        """
+        h, dv = o.shape[-3], o.shape[-1]
+        o = o * self.sigma.view(h, 1, dv).to(o.dtype)
+        if bool(self.refit_on):
+            lead, n = o.shape[:-3], o.shape[-2]
+            merged = o.movedim(-3, -2).reshape(-1, h * dv)  # (..., N, H*dv) rows
+            merged = torch.addmm(self.refit_bias.to(o.dtype), merged, self.refit_weight.to(o.dtype).t())
+            o = merged.view(*lead, n, h, dv).movedim(-2, -3)
+        return o
 
     def use_linear(self, num_keys: int) -> bool:
         mode = self.mode

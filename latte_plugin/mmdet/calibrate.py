@@ -153,6 +153,7 @@ def calibrate_detector(
         all_reduce=_all_reduce_sum,
         log=lambda s: print_log(s, logger=logger),
         progress=_progress,
+        shard=(get_rank(), get_world_size()),
     )
     print_log("[latte] per-layer calibration:\n" + format_layer_table(report), logger=logger)
     return report
