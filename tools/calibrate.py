@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Calibrate LATTE on a detector config, write a calibrated checkpoint and a report.
 
+CFG is an mmdet config or a detectron2 LazyConfig (a Python file importing detectron2);
+the file decides which framework runs it.
+
     python tools/calibrate.py CFG [--checkpoint CKPT] [--work-dir DIR] [--num-images 64]
         [--ratio 0.67 | --num-linear K] [--variant latte] [--sequential] [--selection score]
         [--eval] [--cfg-options k=v ...]
@@ -8,7 +11,7 @@
 Writes ``WORK_DIR/latte_calibrated.pth`` (tensors and plain types only: it loads with
 ``torch.load(weights_only=True)``) and ``WORK_DIR/latte_report.json``. With ``--eval`` it
 evaluates the exact and the linearized model with the config's own evaluator (mmdet's
-``CocoMetric``) and prints a table. mmdet's ``tools/test.py CFG WORK_DIR/latte_calibrated.pth``
+``CocoMetric``, or detectron2's ``COCOEvaluator``) and prints a table. mmdet's ``tools/test.py CFG WORK_DIR/latte_calibrated.pth``
 reproduces the linearized numbers without recalibrating.
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ CKPT_NAME = "latte_calibrated.pth"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="LATTE training-free calibration")
-    p.add_argument("config", help="an mmdet config (.py) that imports latte_plugin.mmdet")
+    p.add_argument("config", help="an mmdet config (.py) that imports latte_plugin.mmdet, or a detectron2 LazyConfig")
     p.add_argument("--checkpoint", help="pretrained checkpoint (default: the config's load_from, or the init weights)")
     p.add_argument("--work-dir", help="where the calibrated checkpoint and report go")
     p.add_argument("--num-images", type=int, help="calibration images from the train split (default 64)")
@@ -35,11 +38,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num-linear", type=int, help="number of candidate layers made linear")
     p.add_argument("--variant", choices=["qtvit", "jpn_only", "tte_only", "latte"])
     p.add_argument("--sequential", action="store_true", help="sequential calibration (spec 6.3)")
-    p.add_argument("--selection", choices=["score", "greedy"])
+    p.add_argument("--selection", choices=["score", "greedy", "backward"])
+    p.add_argument("--refit", action="store_true", help="ridge refit of the output instead of sigma (beyond the paper)")
+    p.add_argument("--holdout", type=float, help="fraction of calibration images held out to choose the knobs")
     p.add_argument("--no-sigma", action="store_true", help="do not fit the output rescaling sigma")
     p.add_argument("--per-head", action="store_true", help="fit (alpha, rho) per head (beyond the paper)")
+    p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
+                   help="mmengine launcher for distributed calibration (e.g. under torchrun: pytorch)")
     p.add_argument("--eval", action="store_true", help="evaluate exact and linearized models with the config's evaluator")
-    p.add_argument("--cfg-options", nargs="+", default=[], help="mmengine-style key=value config overrides")
+    p.add_argument("--cfg-options", nargs="+", default=[],
+                   help="key=value config overrides (mmengine style, or detectron2 dotted LazyConfig overrides)")
     return p.parse_args(argv)
 
 
@@ -61,6 +69,10 @@ def _overrides(args: argparse.Namespace) -> dict:
         o["fit_sigma"] = False
     if args.per_head:
         o["per_head"] = True
+    if args.refit:
+        o["refit"] = True
+    if args.holdout is not None:
+        o["holdout"] = args.holdout
     return o
 
 
@@ -76,11 +88,24 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from latte_plugin.mmdet.tools import run_calibration
-
     t0 = time.time()
-    report = run_calibration(args.config, checkpoint=args.checkpoint, work_dir=args.work_dir,
-                             overrides=_overrides(args), evaluate=args.eval, cfg_options=args.cfg_options)
+    from latte_plugin.configs import config_framework
+
+    if config_framework(args.config) == "detectron2":
+        try:
+            from latte_plugin.detectron2.tools import run_calibration_d2
+        except ImportError as e:
+            raise SystemExit(f"{args.config} is a detectron2 LazyConfig but detectron2 is not importable ({e}); "
+                             "install it from its official source (README, 'Detectron2')") from e
+
+        report = run_calibration_d2(args.config, checkpoint=args.checkpoint, work_dir=args.work_dir,
+                                    overrides=_overrides(args), evaluate=args.eval, opts=args.cfg_options)
+    else:
+        from latte_plugin.mmdet.tools import run_calibration
+
+        report = run_calibration(args.config, checkpoint=args.checkpoint, work_dir=args.work_dir,
+                                 overrides=_overrides(args), evaluate=args.eval, cfg_options=args.cfg_options,
+                                 launcher=args.launcher)
     if args.eval:
         m, g = report["metrics"], report["attention_gflops"]
         n_lin = f"{len(report['linearized'])}/{len(report['candidates'])}"

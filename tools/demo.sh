@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# The README's main job: sets up (or reuses) the environment, generates the embedded data,
-# runs every LATTE row on the committed embedded checkpoint (calibrate + CocoMetric), then
-# re-evaluates the calibrated `latte` checkpoint with mmdet's own tools/test.py.
-#   bash tools/demo.sh
+# The README's main job: sets up (or reuses) the environment, generates the embedded data, and
+# for each embedded model (Conditional DETR, RT-DETR) runs every LATTE row on the committed
+# checkpoint (calibrate + CocoMetric), then re-evaluates the saved default-row checkpoint with
+# mmdet's own tools/test.py.
+#   bash tools/demo.sh                 # both models
+#   LATTE_DEMO_MODELS=rtdetr bash tools/demo.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="$(bash tools/setup_env.sh | tail -n 1)"
 py="$venv/bin/python"
-cfg="${LATTE_DEMO_CONFIG:-configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py}"
-ckpt="${LATTE_DEMO_CHECKPOINT:-checkpoints/cond_detr_r18_synthetic.pth}"
-work="${LATTE_DEMO_WORK_DIR:-work_dirs/main_job}"
 "$py" -m latte_plugin.data.synthetic data/synthetic --train 4000 --val 300 --size 256
-"$py" tools/main_job.py --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" 2>&1 \
-  | grep -vE "^(WARNING|  warnings.warn)|DeprecationWarning|UserWarning"
 mmdet_test="$("$py" -c 'import mmdet, os; print(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "tools", "test.py"))')"
-echo "== mmdet's own tools/test.py on $work/latte_calibrated.pth (no recalibration) =="
-"$py" "$mmdet_test" "$cfg" "$work/latte_calibrated.pth" --work-dir "$work/mmdet_test" 2>&1 \
-  | grep -E "coco/bbox_mAP:|\[latte\] using" || { echo "tools/test.py failed"; exit 1; }
+for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr}; do
+  case "$model" in
+    cond_detr) cfg=configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py; ckpt=checkpoints/cond_detr_r18_synthetic.pth ;;
+    rtdetr) cfg=configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py; ckpt=checkpoints/rtdetr_r18_synthetic.pth ;;
+    *) echo "unknown model $model (cond_detr, rtdetr)"; exit 2 ;;
+  esac
+  work="${LATTE_DEMO_WORK_DIR:-work_dirs/main_job}/$model"
+  echo "== $model: $cfg on $ckpt =="
+  "$py" tools/main_job.py --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" 2>&1 \
+    | grep -vE "^(WARNING|  warnings.warn)|DeprecationWarning|UserWarning"
+  echo "== mmdet's own tools/test.py on $work/latte_calibrated.pth (no recalibration) =="
+  "$py" "$mmdet_test" "$cfg" "$work/latte_calibrated.pth" --work-dir "$work/mmdet_test" 2>&1 \
+    | grep -E "coco/bbox_mAP:|\[latte\] using" || { echo "tools/test.py failed"; exit 1; }
+done

@@ -76,7 +76,8 @@ def main(argv=None) -> dict:
     batches = calibration_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images)
     rows = [r for r in ROWS if not a.rows or r.name in a.rows]
     ckpt_path = os.path.join(a.work_dir, "latte_calibrated.pth")
-    default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else "latte"
+    default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(
+        (r.name for r in rows if r.kind == "latte"), None)
 
     def on_calibrated(name: str, rep: dict) -> None:
         if name == default:

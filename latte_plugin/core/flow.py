@@ -204,6 +204,7 @@ def calibrate_model(
     log: Callable[[str], None] = print,
     progress: Callable[[Iterable, int, str], Iterable] = _passthrough,
     shard: tuple[int, int] = (0, 1),
+    positions: Optional[Sequence[int]] = None,
 ) -> dict:
     """Records, fits, scores and selects; leaves ``model`` hybrid and returns the report.
 
@@ -219,6 +220,8 @@ def calibrate_model(
             mmengine's ``DefaultSampler`` and detectron2's samplers do), so local batch ``i`` is
             global batch ``i * world_size + rank``; the held-out split is made on global
             positions and is the same whatever the number of processes.
+        positions: the global position of each local batch, for loaders that shard otherwise
+            (e.g. detectron2's ``InferenceSampler`` gives each rank a contiguous block).
 
     Returns:
         ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config}``.
@@ -243,7 +246,9 @@ def calibrate_model(
     batches = list(batches)
     rank, world = shard
     period = max(2, int(round(1.0 / float(cfg.holdout)))) if cfg.holdout > 0 else 0
-    is_held = [period > 0 and (i * world + rank) % period == period - 1 for i in range(len(batches))]
+    if positions is None:
+        positions = [i * world + rank for i in range(len(batches))]
+    is_held = [period > 0 and int(g) % period == period - 1 for g in list(positions)[: len(batches)]]
     fit_batches = [b for b, h in zip(batches, is_held) if not h]
     held_batches = [b for b, h in zip(batches, is_held) if h]
 

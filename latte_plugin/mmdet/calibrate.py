@@ -74,7 +74,15 @@ def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str
 
 
 def calibration_batches(loader: Iterable, num_images: int, batch_size: int = 1) -> list:
-    """This rank's share of ``num_images`` images: an ``islice`` (train samplers may never end)."""
+    """This rank's share of ``num_images`` images: an ``islice`` (train samplers may never end).
+
+    Raises:
+        ValueError: ``num_images`` smaller than the batch size (a partial batch would silently
+            calibrate on more images than asked), or an empty loader.
+    """
+    if num_images < batch_size:
+        raise ValueError(f"num_images={num_images} is smaller than the calibration batch size {batch_size}; "
+                         f"ask for at least {batch_size} images or lower calib_batch_size")
     per_rank = math.ceil(num_images / get_world_size())
     batches = list(itertools.islice(loader, math.ceil(per_rank / batch_size)))
     if not batches:

@@ -51,7 +51,8 @@ def _history_buffer_getattr(obj, name: str):
 
 
 def slim_checkpoint(src: str, dst: str, dtype: "torch.dtype | None" = None) -> dict:
-    """Rewrites a Runner checkpoint as ``{'meta': plain, 'state_dict': tensors}`` (no optimizer).
+    """Rewrites a Runner checkpoint as ``{'meta': plain, 'state_dict': tensors, 'model': the same
+    tensors}`` (no optimizer; ``model`` is detectron2's key, stored once).
 
     The source loads with ``weights_only=True`` (thanks to :func:`register_safe_globals`);
     the result needs no allow-list at all. ``dtype`` (e.g. ``torch.float16``) stores the
@@ -75,5 +76,5 @@ def slim_checkpoint(src: str, dst: str, dtype: "torch.dtype | None" = None) -> d
     src_meta = ckpt.get("meta", {}) or {}
     meta = {"source": src, "epoch": int(src_meta.get("epoch", -1)), "iter": int(src_meta.get("iter", -1)),
             "dtype": str(dtype or "as saved")}
-    atomic_torch_save({"meta": meta, "state_dict": out}, dst)
+    atomic_torch_save({"meta": meta, "state_dict": out, "model": out}, dst)
     return meta

@@ -33,10 +33,12 @@ def evaluate_bbox(runner, linear: Sequence[str], mode: str = "linear") -> dict:
 
 
 def save_calibrated_checkpoint(model: torch.nn.Module, report: dict, path: str) -> None:
-    """Writes ``{'meta': {'latte': ...}, 'state_dict': ...}`` atomically; tensors and plain types only."""
+    """Writes ``{'meta': {'latte': ...}, 'state_dict': ..., 'model': ...}`` atomically; tensors
+    and plain types only. ``model`` is the same tensors (stored once) under detectron2's key,
+    so the file also loads with detectron2's ``DetectionCheckpointer``."""
     meta = {"latte": {k: report[k] for k in ("variant", "candidates", "linearized", "config")}}
     state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-    atomic_torch_save({"meta": meta, "state_dict": state}, path)
+    atomic_torch_save({"meta": meta, "state_dict": state, "model": state}, path)
 
 
 def run_calibration(
@@ -46,6 +48,7 @@ def run_calibration(
     overrides: Optional[dict] = None,
     evaluate: bool = False,
     cfg_options: Sequence[str] = (),
+    launcher: str = "none",
 ) -> dict:
     """Builds the config's Runner, calibrates through its :class:`LinearizeHook`, saves, and evaluates.
 
@@ -79,6 +82,15 @@ def run_calibration(
         "work_dirs", os.path.splitext(os.path.basename(config))[0])
     if checkpoint:
         cfg.load_from = checkpoint
+    if launcher == "pytorch" and not torch.cuda.is_available():
+        # mmengine's init_dist calls torch.cuda.set_device; on CPU-only machines start gloo from
+        # torchrun's environment ourselves: mmengine's dist utilities and DefaultSampler use it.
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        launcher = "none"
+    cfg.launcher = launcher
     runner = Runner.from_cfg(cfg)
     hook = LinearizeHook.find(runner)
     hook.before_run(runner)
@@ -88,7 +100,10 @@ def run_calibration(
 
     ckpt_path = os.path.join(runner.work_dir, "latte_calibrated.pth")
     report_path = os.path.join(runner.work_dir, "latte_report.json")
-    save_calibrated_checkpoint(runner.model, report, ckpt_path)
+    from mmengine.dist import is_main_process
+
+    if is_main_process():  # every rank holds the same state; one writes it
+        save_calibrated_checkpoint(runner.model, report, ckpt_path)
     if evaluate:
         linear, mode = list(report["linearized"]), hook.latte_cfg.mode
         exact = evaluate_bbox(runner, [])
@@ -97,8 +112,9 @@ def run_calibration(
         report["metrics"] = {"exact": exact, "linearized": lin}
         report["retained"] = lin["bbox_mAP"] / exact["bbox_mAP"] if exact["bbox_mAP"] > 0 else float("nan")
     report["paths"] = {"report": report_path, "checkpoint": ckpt_path}
-    plot = plot_sensitivity(report, os.path.join(runner.work_dir, "latte_sensitivity.png"))
-    if plot:
-        report["paths"]["sensitivity_plot"] = plot
-    atomic_write_json(report, report_path)
+    if is_main_process():
+        plot = plot_sensitivity(report, os.path.join(runner.work_dir, "latte_sensitivity.png"))
+        if plot:
+            report["paths"]["sensitivity_plot"] = plot
+        atomic_write_json(report, report_path)
     return report

@@ -63,6 +63,6 @@ val_cfg = dict(type='ValLoop')
 test_cfg = dict(type='TestLoop')
 param_scheduler = [dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=300)]
 auto_scale_lr = dict(enable=False, base_batch_size=8)
-default_hooks = dict(logger=dict(interval=10), checkpoint=dict(interval=1, max_keep_ckpts=2))
+default_hooks = dict(logger=dict(interval=50), checkpoint=dict(interval=1, max_keep_ckpts=2))
 randomness = dict(seed=0, deterministic=False)
 env_cfg = dict(dist_cfg=dict(backend='gloo'))

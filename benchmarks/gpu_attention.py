@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""LATTE vs flash SDPA on a CUDA GPU, N = 4k .. 64k, in under 5 minutes.
+
+    python benchmarks/gpu_attention.py [--ns 4096 8192 16384 32768 65536] [--dtype bf16 fp16]
+        [--heads 8] [--head-dim 32] [--json benchmarks/results/attention_gpu.json]
+
+Times, side by side in one run and with CUDA events (best of ``--reps`` after warm-up):
+``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash backend (the
+paper compares with FlashAttention), the fused LATTE inference path
+(``kernels.fused_latte_attention``), and a device memcpy of the same bytes (q, k, v in,
+o out) as the roofline. Prints a table of ms, SDPA/LATTE, LATTE/memcpy and peak memory; no
+GPU is needed to read it, one is needed to run it (it exits with a message otherwise).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from latte_plugin.core import kernels as K  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def cuda_time(fn, reps: int) -> float:
+    """Best of ``reps`` CUDA-event timings in ms (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return best
+
+
+def peak(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ns", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this benchmark needs a GPU (the CPU one is benchmarks/attention.py)")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = torch.device("cuda")
+    rows = []
+    print(f"{torch.cuda.get_device_name()} | batch {a.batch}, {a.heads} heads of {a.head_dim}")
+    print(f"{'dtype':5s} {'N':>6s} {'LATTE ms':>9s} {'flash ms':>9s} {'memcpy ms':>9s} {'flash/LATTE':>11s} "
+          f"{'LATTE/memcpy':>12s} {'LATTE MiB':>9s} {'flash MiB':>9s}")
+    for name in a.dtype:
+        dt = DTYPES[name]
+        for n in a.ns:
+            g = torch.Generator(device=dev).manual_seed(0)
+            shape = (a.batch, a.heads, n, a.head_dim)
+            q, k, v = (torch.randn(shape, generator=g, device=dev, dtype=dt) for _ in range(3))
+            m = torch.full((a.heads, 1, 1), 0.8, device=dev)
+            rho = torch.full((a.heads, 1, 1), 50.0, device=dev)
+            buf = torch.empty(4 * q.numel(), device=dev, dtype=dt)
+            src = torch.cat([q.flatten(), k.flatten(), v.flatten(), v.flatten()])
+
+            def latte():
+                return K.fused_latte_attention(q, k, v, m, rho)
+
+            def flash():
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+            try:
+                flash()
+                t_flash = cuda_time(flash, a.reps)
+                m_flash = peak(flash)
+            except RuntimeError as e:  # fp32, or a head size flash does not take
+                t_flash, m_flash = float("nan"), 0
+                print(f"  (flash unavailable for {name}: {str(e).splitlines()[0]})")
+            t_latte = cuda_time(latte, a.reps)
+            m_latte = peak(latte)
+            t_copy = cuda_time(lambda: buf.copy_(src), a.reps)
+            row = dict(dtype=name, n=n, latte_ms=t_latte, flash_ms=t_flash, memcpy_ms=t_copy,
+                       speedup=t_flash / t_latte, roofline=t_latte / t_copy,
+                       latte_mib=m_latte / 2**20, flash_mib=m_flash / 2**20)
+            rows.append(row)
+            print(f"{name:5s} {n:6d} {t_latte:9.3f} {t_flash:9.3f} {t_copy:9.3f} {row['speedup']:10.2f}x "
+                  f"{row['roofline']:12.1f} {row['latte_mib']:9.1f} {row['flash_mib']:9.1f}")
+            del q, k, v, buf, src
+            torch.cuda.empty_cache()
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Detectron2: the same mmdet / HF models as meta-architectures, LATTE by LazyConfig override,
+the HookBase calibrating from the endless train loader, tools/calibrate.py on a LazyConfig,
+COCOEvaluator equal to mmdet's CocoMetric on one checkpoint, and 2-process ``launch``.
+
+Skipped, with the reason, where detectron2 is not installed (it is not on PyPI: README)."""
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, TINY_CFG, require
+
+require("detectron2")
+require("detectron2._C")
+require("mmdet.models")
+import latte_plugin.detectron2 as d2p  # noqa: E402
+from latte_plugin.core import find_latte_layers, set_modes  # noqa: E402
+
+D2_CFG = os.path.join(ROOT, "configs", "detectron2", "embedded", "cond_detr_r18_synthetic_latte.py")
+TINY_RTDETR = os.path.join(ROOT, "configs", "mmdet", "rtdetr_tiny_latte_synthetic.py")
+COND_CKPT = os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth")
+COND_MMDET = os.path.join(ROOT, "configs", "mmdet", "embedded", "cond_detr_r18_synthetic.py")
+
+
+def _lazy(data_root, *opts):
+    """The embedded LATTE LazyConfig pointed at ``data_root`` (registered under a test prefix)."""
+    from detectron2.config import LazyConfig
+
+    train, val = d2p.register_synthetic(data_root, prefix="latte_test")
+    cfg = LazyConfig.load(D2_CFG)
+    cfg = LazyConfig.apply_overrides(cfg, [
+        f"dataloader.train.dataset.names={train}", f"dataloader.test.dataset.names={val}",
+        f"dataloader.evaluator.dataset_name={val}", f"model.calibration_loader.dataset.names={train}",
+        "dataloader.train.total_batch_size=2", "dataloader.train.num_workers=0", *opts])
+    return cfg
+
+
+def _d2_inputs(img_bgr):
+    t = torch.as_tensor(img_bgr.transpose(2, 0, 1).copy())
+    return [{"image": t, "height": img_bgr.shape[0], "width": img_bgr.shape[1], "image_id": 0}]
+
+
+@pytest.mark.parametrize("mmdet_config", [TINY_CFG, TINY_RTDETR])
+def test_meta_arch_is_the_mmdet_model_with_detectron2_io(mmdet_config):
+    import numpy as np
+    from detectron2.config import LazyCall as L, instantiate
+    from detectron2.modeling import META_ARCH_REGISTRY
+    from mmdet.registry import MODELS
+    from mmdet.structures import DetDataSample
+    from mmengine.config import Config
+
+    assert META_ARCH_REGISTRY.get("MMDetDetector") is d2p.MMDetDetector
+    torch.manual_seed(0)
+    model = instantiate(L(d2p.MMDetDetector)(mmdet_config=mmdet_config)).eval()
+    ref = MODELS.build(copy.deepcopy(Config.fromfile(mmdet_config).model)).eval()
+    assert list(model.state_dict()) == list(ref.state_dict())  # mmdet's keys: one checkpoint for both
+    ref.load_state_dict(model.state_dict())
+    img = np.random.default_rng(0).integers(0, 255, size=(96, 128, 3), dtype=np.uint8)
+    with torch.no_grad():
+        out = model(_d2_inputs(img))[0]["instances"]
+        data = ref.data_preprocessor({"inputs": [torch.as_tensor(img.transpose(2, 0, 1).copy())],
+                                      "data_samples": [DetDataSample(metainfo=dict(
+                                          img_shape=(96, 128), ori_shape=(96, 128), scale_factor=(1.0, 1.0)))]},
+                                     False)
+        exp = ref(**data, mode="predict")[0].pred_instances
+    assert out.image_size == (96, 128)
+    torch.testing.assert_close(out.pred_boxes.tensor, exp.bboxes)
+    torch.testing.assert_close(out.scores, exp.scores)
+    assert torch.equal(out.pred_classes, exp.labels)
+
+
+def test_lazyconfig_overrides_turn_latte_on(synthetic_data):
+    from detectron2.config import instantiate
+
+    cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.ratio=0.5",
+                "model.latte.variant=jpn_only", "model.latte.num_images=4", "model.latte.steps=3")
+    model = instantiate(cfg.model)
+    layers = find_latte_layers(model)
+    assert list(layers) == [f"encoder.layers.{i}.self_attn" for i in range(6)]
+    assert all(l.variant == "jpn_only" for l in layers.values())
+    # first evaluation forward on a plain checkpoint: the model calibrates itself (calibrate='auto')
+    batch = next(iter(instantiate(cfg.dataloader.test)))
+    model.eval()
+    with torch.no_grad():
+        model(batch)
+    assert all(bool(l.calibrated) for l in layers.values())
+    assert sum(l.mode == "linear" for l in layers.values()) == 3
+
+
+def test_hook_calibrates_from_the_endless_train_loader(synthetic_data):
+    from detectron2.config import instantiate
+    from detectron2.engine import SimpleTrainer
+
+    cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never")
+    model = instantiate(cfg.model)
+    loader = instantiate(cfg.dataloader.train)  # TrainingSampler: never ends
+    trainer = SimpleTrainer(model, loader, torch.optim.SGD(model.parameters(), lr=0.0))
+    hook = d2p.LinearizeHook(dict(candidates=["encoder.layers.*.self_attn"], num_images=6, steps=3))
+    trainer.register_hooks([hook])
+    hook.before_train()
+    layers = find_latte_layers(model)
+    assert all(bool(l.calibrated) for l in layers.values())
+    assert len(hook.report["linearized"]) == 4
+    with pytest.raises(ValueError, match="when must be"):
+        d2p.LinearizeHook({}, when="never")
+
+
+def test_calibrate_tool_on_a_lazyconfig_and_map_parity_with_mmdet(synthetic_data, tmp_path):
+    """tools/calibrate.py picks detectron2 from the file; the same embedded checkpoint gives the
+    same AP in COCOEvaluator as in mmdet's CocoMetric (within 0.5 AP), exact and linearized."""
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import calibrate as calibrate_tool
+
+    root = synthetic_data.rstrip("/") + "/"
+    train, val = d2p.register_synthetic(synthetic_data, prefix="latte_test")
+    opts = [f"dataloader.test.dataset.names={val}", f"dataloader.evaluator.dataset_name={val}",
+            f"dataloader.evaluator.output_dir={tmp_path / 'eval'}",
+            f"model.calibration_loader.dataset.names={train}", f"dataloader.train.dataset.names={train}"]
+    report = calibrate_tool.main([D2_CFG, "--checkpoint", COND_CKPT, "--work-dir", str(tmp_path / "d2"),
+                                  "--num-images", "6", "--eval", "--cfg-options", *opts])
+    saved = json.load(open(report["paths"]["report"]))
+    assert saved["framework"] == "detectron2" and len(saved["linearized"]) == 4
+    for key in ("variant", "candidates", "sensitivity", "params", "metrics", "retained", "attention_gflops"):
+        assert key in saved
+
+    # mmdet on the same images with the d2-calibrated checkpoint: the checkpoint is shared
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", "cond_detr_r18_synthetic_latte.py"))
+    for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
+        cfg[key]["dataset"]["data_root"] = root
+        cfg[key]["num_workers"] = 0
+        cfg[key]["persistent_workers"] = False
+    for key in ("val_evaluator", "test_evaluator"):
+        cfg[key]["ann_file"] = root + "annotations/instances_val.json"
+    cfg.custom_hooks[0]["calibrate"] = "never"
+    cfg.work_dir = str(tmp_path / "mm")
+    cfg.default_hooks.checkpoint = None
+    cfg.load_from = report["paths"]["checkpoint"]
+    runner = Runner.from_cfg(cfg)
+    lin = runner.test()["coco/bbox_mAP"]
+    set_modes(find_latte_layers(runner.model), [])
+    exact = runner.test()["coco/bbox_mAP"]
+    assert abs(saved["metrics"]["exact"]["bbox_mAP"] - exact) <= 0.005
+    assert abs(saved["metrics"]["linearized"]["bbox_mAP"] - lin) <= 0.005
+
+
+def _launch_worker(out, data_root):
+    from detectron2.config import instantiate
+    from detectron2.utils import comm
+
+    from latte_plugin.core.flow import LatteConfig
+
+    torch.set_num_threads(1)
+    cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model).eval()
+    loader = instantiate(cfg.model.calibration_loader)  # InferenceSampler: shards across ranks
+    rep = d2p.calibrate_d2_model(model, loader, LatteConfig(candidates=["encoder.layers.*.self_attn"],
+                                                            num_images=8, steps=5, max_queries=10000))
+    if comm.is_main_process():
+        layers = find_latte_layers(model)
+        torch.save({"linearized": rep["linearized"],
+                    "scalars": {n: (l.m.clone(), l.log_rho.clone(), l.sigma.clone()) for n, l in layers.items()}}, out)
+
+
+@pytest.mark.timeout(600)
+def test_detectron2_launch_two_processes_matches_one(synthetic_data, tmp_path):
+    from detectron2.engine import launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two, one = str(tmp_path / "two.pt"), str(tmp_path / "one.pt")
+    launch(_launch_worker, 2, dist_url=f"tcp://127.0.0.1:{port}", args=(two, synthetic_data))
+    _launch_worker(one, synthetic_data)
+    a, b = torch.load(two, weights_only=True), torch.load(one, weights_only=True)
+    assert a["linearized"] == b["linearized"]
+    for n in b["scalars"]:
+        for x, y in zip(a["scalars"][n], b["scalars"][n]):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
