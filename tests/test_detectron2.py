@@ -27,6 +27,14 @@ COND_CKPT = os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth")
 COND_MMDET = os.path.join(ROOT, "configs", "mmdet", "embedded", "cond_detr_r18_synthetic.py")
 
 
+@pytest.fixture(scope="module")
+def synthetic_data(tmp_path_factory):
+    """256-pixel images: the network size, so neither framework resizes (their resize kernels differ)."""
+    from latte_plugin.data.synthetic import make_synthetic_coco
+
+    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic256")), num_train=8, num_val=6, size=256, seed=0)
+
+
 def _lazy(data_root, *opts):
     """The embedded LATTE LazyConfig pointed at ``data_root`` (registered under a test prefix)."""
     from detectron2.config import LazyConfig

@@ -26,12 +26,17 @@ DEFAULT_CHECKPOINT = "checkpoints/cond_detr_r18_synthetic.pth"
 
 def format_table(rows: dict) -> str:
     head = (f"{'row':18s} {'linear':>6s} {'bbox_mAP':>8s} {'mAP@.5':>7s} {'% kept':>7s} "
-            f"{'attn GFLOPs':>11s} {'enc. speed-up':>13s}")
+            f"{'attn GFLOPs':>11s} {'speed-up':>9s} {'held-out dist.':>14s} {'held-out mse':>12s}")
     out = [head, "-" * len(head)]
+
+    def num(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+
     for name, r in rows.items():
         kept = 100 * r["retained"] if not math.isnan(r["retained"]) else float("nan")
         out.append(f"{name:18s} {r['linear']:>6s} {r['bbox_mAP']:8.4f} {r['bbox_mAP_50']:7.4f} {kept:7.1f} "
-                   f"{r['attention_gflops']:11.4f} {r['encoder_latency_ratio']:12.2f}x")
+                   f"{r['attention_gflops']:11.4f} {r['encoder_latency_ratio']:8.2f}x "
+                   f"{num(r.get('heldout_distortion'), '14.4e')} {num(r.get('heldout_mse'), '12.4e')}")
     return "\n".join(out)
 
 
@@ -90,8 +95,9 @@ def main(argv=None) -> dict:
         report["default_row"] = default
         report.update({k: reps[default][k] for k in ("variant", "candidates", "sensitivity", "linearized", "params",
                                                        "sigma_mean", "fit", "selection", "tokens")})
-    metrics = {name: {k: r[k] for k in ("bbox_mAP", "bbox_mAP_50", "retained", "linear", "attention_gflops",
-                                        "encoder_latency_ratio")} for name, r in res.items()}
+    metrics = {name: {k: r.get(k) for k in ("bbox_mAP", "bbox_mAP_50", "retained", "linear", "attention_gflops",
+                                            "encoder_latency_ratio", "heldout_distortion", "heldout_mse")}
+               for name, r in res.items()}
     if "exact" in res and default in res:
         metrics["linearized"] = dict(metrics[default])
         report["retained"] = res[default]["retained"]

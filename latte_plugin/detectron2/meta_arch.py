@@ -81,6 +81,13 @@ class MMDetDetector(nn.Module):
         for name, child in det.named_children():  # mmdet's keys, so checkpoints are shared
             self.add_module(name, child)
         object.__setattr__(self, "_det", det)  # the same modules, not registered twice
+        try:  # LazyConfig passes OmegaConf containers; LatteConfig wants plain values
+            from omegaconf import OmegaConf
+
+            if OmegaConf.is_config(latte):
+                latte = OmegaConf.to_container(latte, resolve=True)
+        except ImportError:
+            pass
         latte = dict(latte or {})
         self.latte_calibrate = latte.pop("calibrate", "auto")
         if self.latte_calibrate not in ("auto", "never"):
