@@ -46,17 +46,20 @@ def synthetic_data(tmp_path_factory):
     return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic")), num_train=8, num_val=4, size=128, seed=0)
 
 
-def tiny_cfg(data_root: str, work_dir: str, **hook):
-    """The tiny DETR config pointed at ``data_root``, with LinearizeHook settings overridden."""
+def tiny_cfg(data_root, work_dir, path: str = TINY_CFG, **hook):
+    """A tiny config (DETR by default) pointed at ``data_root``, with LinearizeHook settings
+    overridden; ``data_root`` / ``work_dir`` ``None`` keep the config's."""
     from mmengine.config import Config
 
-    cfg = Config.fromfile(TINY_CFG)
-    root = data_root.rstrip("/") + "/"
-    for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
-        cfg[key]["dataset"]["data_root"] = root
-    for key in ("val_evaluator", "test_evaluator"):
-        cfg[key]["ann_file"] = root + "annotations/instances_val.json"
+    cfg = Config.fromfile(path)
+    if data_root is not None:
+        root = data_root.rstrip("/") + "/"
+        for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
+            cfg[key]["dataset"]["data_root"] = root
+        for key in ("val_evaluator", "test_evaluator"):
+            cfg[key]["ann_file"] = root + "annotations/instances_val.json"
     cfg.custom_hooks[0].update(hook)
-    cfg.work_dir = work_dir
+    if work_dir is not None:
+        cfg.work_dir = work_dir
     cfg.default_hooks.checkpoint = None
     return cfg

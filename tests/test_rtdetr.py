@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, require
+from tests.conftest import ROOT, require, tiny_cfg
 
 require("mmcv.ops")
 require("mmdet.models")
@@ -24,20 +24,7 @@ EMBEDDED_RTDETR = os.path.join(ROOT, "configs", "mmdet", "embedded", "rtdetr_r18
 
 
 def _cfg(data_root=None, work_dir=None, **hook):
-    from mmengine.config import Config
-
-    cfg = Config.fromfile(TINY_RTDETR)
-    if data_root is not None:
-        root = data_root.rstrip("/") + "/"
-        for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
-            cfg[key]["dataset"]["data_root"] = root
-        for key in ("val_evaluator", "test_evaluator"):
-            cfg[key]["ann_file"] = root + "annotations/instances_val.json"
-    cfg.custom_hooks[0].update(hook)
-    if work_dir is not None:
-        cfg.work_dir = work_dir
-    cfg.default_hooks.checkpoint = None
-    return cfg
+    return tiny_cfg(data_root, work_dir, TINY_RTDETR, **hook)
 
 
 def _hf_model(cfg):

@@ -4,7 +4,10 @@
 # (python -m latte_plugin.data.synthetic data/synthetic --train 4000 --val 300).
 # Train:  python $MMDET/.mim/tools/train.py configs/mmdet/embedded/rtdetr_r18_synthetic.py
 # LATTE:  see rtdetr_r18_synthetic_latte.py
-_base_ = ['mmdet::_base_/datasets/coco_detection.py', 'mmdet::_base_/default_runtime.py']
+_base_ = ['mmdet::_base_/default_runtime.py', './_base_/synthetic_data.py']
+
+backend_args = None
+image_size = 256
 
 custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
 
@@ -24,10 +27,7 @@ model = dict(
                            bgr_to_rgb=True, pad_size_divisor=32),
     test_cfg=dict(max_per_img=100))
 
-data_root = 'data/synthetic/'
-metainfo = dict(classes=('square-red', 'square-blue', 'disc-red', 'disc-blue'))
-backend_args = None
-image_size = 256
+# RT-DETR's own evaluation transform: the network size, aspect ratio not kept
 train_pipeline = [
     dict(type='LoadImageFromFile', backend_args=backend_args),
     dict(type='LoadAnnotations', with_bbox=True),
@@ -41,17 +41,9 @@ test_pipeline = [
     dict(type='LoadAnnotations', with_bbox=True),
     dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
 ]
-train_dataloader = dict(
-    batch_size=8, num_workers=1, persistent_workers=True,
-    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_train.json',
-                 data_prefix=dict(img='train/'), pipeline=train_pipeline))
-val_dataloader = dict(
-    batch_size=8, num_workers=0, persistent_workers=False,
-    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_val.json',
-                 data_prefix=dict(img='val/'), pipeline=test_pipeline))
+train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
+val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
 test_dataloader = val_dataloader
-val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json', backend_args=backend_args)
-test_evaluator = val_evaluator
 
 max_epochs = 4
 optim_wrapper = dict(
