@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     from latte_plugin.core.flow import LatteConfig
     from latte_plugin.core.io import atomic_write_json
     from latte_plugin.mmdet.calibrate import build_calibration_loader, calibration_batches, linearize_model
-    from latte_plugin.mmdet.experiments import DEFAULT_ROW, ROWS, run_rows
+    from latte_plugin.mmdet.experiments import DEFAULT_ROW, ROWS, row_key, run_rows
     from latte_plugin.mmdet.tools import save_calibrated_checkpoint
     from latte_plugin.viz import plot_kept, plot_sensitivity
 
@@ -84,8 +84,12 @@ def main(argv=None) -> dict:
     default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(
         (r.name for r in rows if r.kind == "latte"), None)
 
+    # rows with the default's settings are calibrated once, under the first such row's name
+    saved_as = next((r.name for r in rows if default and row_key(base, r) == row_key(
+        base, next(x for x in rows if x.name == default))), None)
+
     def on_calibrated(name: str, rep: dict) -> None:
-        if name == default:
+        if name == saved_as:
             save_calibrated_checkpoint(runner.model, rep, ckpt_path)
 
     out = run_rows(runner, batches, base, rows, on_calibrated=on_calibrated)

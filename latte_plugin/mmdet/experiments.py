@@ -20,7 +20,7 @@ from ..core.flow import LatteConfig, attention_gflops, find_latte_layers, set_mo
 from .calibrate import calibrate_detector, detector_forward, unwrap
 from .tools import evaluate_bbox
 
-__all__ = ["ROWS", "DEFAULT_ROW", "Row", "run_rows", "encoder_latency", "latency_modules"]
+__all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "run_rows", "encoder_latency", "latency_modules"]
 
 
 @dataclasses.dataclass
@@ -59,6 +59,12 @@ ROWS = [
 #: The row whose calibrated checkpoint the main job saves and reports at the top level:
 #: the package defaults (LatteConfig), which won on held-out data (README, "Beyond the paper").
 DEFAULT_ROW = "ours:greedy"
+
+
+def row_key(base: LatteConfig, row: Row) -> str:
+    """A row's effective settings: rows with equal keys give equal results."""
+    cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
+    return f"{row.kind}:{cfg.to_dict()}"
 
 
 def latency_modules(model) -> list:
@@ -128,7 +134,7 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
         t0 = time.time()
         cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
         layers = find_latte_layers(model)
-        key = f"{row.kind}:{cfg.to_dict()}"
+        key = row_key(base, row)
         if key in done:  # same effective settings as an earlier row (e.g. a default spelled out)
             results[row.name] = copy.deepcopy(results[done[key]])
             if done[key] in reports:
