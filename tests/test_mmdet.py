@@ -194,8 +194,9 @@ def test_runner_saved_checkpoint_loads_with_weights_only(synthetic_data, tmp_pat
     assert "message_hub" in raw and "state_dict" in raw
     meta = slim_checkpoint(src, str(tmp_path / "slim.pth"), dtype=torch.float16)
     slim = torch.load(str(tmp_path / "slim.pth"), weights_only=True)
-    assert meta["iter"] == 1 and set(slim) == {"meta", "state_dict"}
+    assert meta["iter"] == 1 and set(slim) == {"meta", "state_dict", "model"}  # 'model': detectron2's key
     assert all(v.dtype != torch.float32 for v in slim["state_dict"].values())
+    assert all(slim["model"][k] is v for k, v in slim["state_dict"].items())  # stored once, shared
 
 
 def test_restricted_getattr_blocks_everything_but_history_buffer_stats(tmp_path):
