@@ -53,7 +53,7 @@ def _d2_inputs(img_bgr):
     return [{"image": t, "height": img_bgr.shape[0], "width": img_bgr.shape[1], "image_id": 0}]
 
 
-@pytest.mark.parametrize("mmdet_config", [TINY_CFG, TINY_RTDETR])
+@pytest.mark.parametrize("mmdet_config", [TINY_CFG, TINY_RTDETR], ids=["detr", "rtdetr"])
 def test_meta_arch_is_the_mmdet_model_with_detectron2_io(mmdet_config):
     import numpy as np
     from detectron2.config import LazyCall as L, instantiate
