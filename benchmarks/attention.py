@@ -67,23 +67,29 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--naive-max", type=int, default=4096)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile of the fused path")
     p.add_argument("--json")
     p.add_argument("--plot")
     a = p.parse_args(argv)
     rows = []
     print(f"device={a.device} threads={torch.get_num_threads()} heads={a.heads} head_dim={a.head_dim}")
     print(f"{'dtype':5s} {'N':>6s} {'latte ms':>9s} {'sdpa ms':>9s} {'naive ms':>9s} {'memcpy ms':>9s} "
-          f"{'sdpa/latte':>10s} {'latte/memcpy':>12s} {'FLOP ratio':>10s}")
+          f"{'sdpa/latte':>10s} {'latte/memcpy':>12s} {'FLOP ratio':>10s} {'compiled ms':>11s} {'sdpa/comp.':>10s} "
+          f"{'comp./memcpy':>12s}")
     for dname in a.dtype:
         dt = DTYPES[dname]
         for n in a.ns:
             g = torch.Generator(device="cpu").manual_seed(0)
             q, k, v = (torch.randn(1, a.heads, n, a.head_dim, generator=g).to(a.device, dt) for _ in range(3))
-            m, delta = torch.tensor(0.6, device=a.device, dtype=dt), 2.0
+            m, rho = torch.tensor(0.6, device=a.device), 4.0
 
-            def latte():
-                fq, fk = K.variant_features(q, k, "latte", m, delta, delta, 1.0, 1.0)
-                return K.linear_attention(fq, fk, v)
+            def latte():  # what a calibrated 'latte' layer runs (LatteParams.linear)
+                return K.fused_latte_attention(q, k, v, m, rho)
+
+            compiled = K.compiled_fused_latte_attention() if a.compile else None
+
+            def latte_compiled():
+                return compiled(q, k, v, m, rho)
 
             def sdpa():
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v)
@@ -102,17 +108,21 @@ def main(argv=None) -> list[dict]:
                 t = {name: best_time(lambda f=f: (f(), sync()), a.reps)
                      for name, f in (("latte", latte), ("sdpa", sdpa), ("memcpy", memcpy))}
                 t["naive"] = best_time(lambda: (naive(), sync()), a.reps) if n <= a.naive_max else float("nan")
+                t["compiled"] = best_time(lambda: (latte_compiled(), sync()), a.reps) if a.compile else float("nan")
                 mem = {"latte": peak_mem(latte), "sdpa": peak_mem(sdpa)}
             fl = exact_attention_flops(n, n, a.head_dim, a.head_dim, a.heads) / linear_attention_flops(
                 n, n, a.head_dim, a.head_dim, a.heads)
             row = dict(dtype=dname, n=n, latte_ms=1e3 * t["latte"], sdpa_ms=1e3 * t["sdpa"],
                        naive_ms=1e3 * t["naive"], memcpy_ms=1e3 * t["memcpy"],
                        speedup_vs_sdpa=t["sdpa"] / t["latte"], latte_over_memcpy=t["latte"] / t["memcpy"],
-                       flop_ratio=fl, peak_bytes_latte=mem["latte"], peak_bytes_sdpa=mem["sdpa"])
+                       flop_ratio=fl, peak_bytes_latte=mem["latte"], peak_bytes_sdpa=mem["sdpa"],
+                       compiled_ms=1e3 * t["compiled"], speedup_compiled_vs_sdpa=t["sdpa"] / t["compiled"],
+                       compiled_over_memcpy=t["compiled"] / t["memcpy"])
             rows.append(row)
             print(f"{dname:5s} {n:6d} {row['latte_ms']:9.3f} {row['sdpa_ms']:9.3f} {row['naive_ms']:9.3f} "
                   f"{row['memcpy_ms']:9.3f} {row['speedup_vs_sdpa']:10.2f} {row['latte_over_memcpy']:12.1f} "
-                  f"{fl:10.1f}", flush=True)
+                  f"{fl:10.1f} {row['compiled_ms']:11.3f} {row['speedup_compiled_vs_sdpa']:10.2f} "
+                  f"{row['compiled_over_memcpy']:12.1f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": a.device, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

@@ -175,3 +175,17 @@ def test_uniform_attention_is_masked_mean():
     out = K.uniform_attention(v, kpm, num_queries=5)
     torch.testing.assert_close(out[0, :, 2], v[0].mean(dim=-2))
     torch.testing.assert_close(out[1, :, 4], v[1, :, :3].mean(dim=-2))
+
+
+@pytest.mark.timeout(300)
+def test_compiled_fused_path_matches_eager_and_reference():
+    """torch.compile of the fused path (benchmarks' --compile) gives the eager results, masks included."""
+    q, k, v = qkv(2, 4, 37, 37, 16)
+    kpm = torch.zeros(2, 37, dtype=torch.bool)
+    kpm[1, 30:] = True
+    m, rho = torch.full((4, 1, 1), 0.7), torch.full((4, 1, 1), 3.0)
+    eager = K.fused_latte_attention(q, k, v, m, rho, kpm)
+    compiled = K.compiled_fused_latte_attention()(q, k, v, m, rho, kpm)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    ref = K.linear_attention(*K.variant_features(q, k, "latte", m, rho ** 0.5, rho ** 0.5, 1.0, 1.0), v, kpm)
+    torch.testing.assert_close(compiled, ref, atol=1e-4, rtol=1e-4)

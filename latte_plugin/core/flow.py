@@ -90,9 +90,9 @@ class LatteConfig:
     lam: float = 10.0
     greedy_images: int = 8
     mode: str = "linear"
-    # Crossover measured by benchmarks/attention.py on 2 CPU cores (fp32, 8 heads of 32):
-    # LATTE is slower than SDPA at 256 tokens and faster from 512 on (README, Performance).
-    threshold: int = 512
+    # Crossover measured by benchmarks/attention.py on 2 idle CPU cores (fp32, 8 heads of 32):
+    # LATTE is 0.46x SDPA at 128 tokens, even at 256 (1.03x), faster from 512 (README, Performance).
+    threshold: int = 256
     seed: int = 0
 
     def validate(self) -> "LatteConfig":

@@ -32,6 +32,7 @@ __all__ = [
     "bool_attn_mask",
     "uniform_attention",
     "fused_latte_attention",
+    "compiled_fused_latte_attention",
 ]
 
 #: The four rows of spec section 9, by name.
@@ -382,3 +383,19 @@ def fused_latte_attention(
     den = (fq @ ksum).add_(count)
     out = num.div_(torch.where(den != 0, den, torch.ones_like(den)))
     return out.to(out_dtype)
+
+
+_COMPILED = None
+
+
+def compiled_fused_latte_attention():
+    """:func:`fused_latte_attention` through ``torch.compile`` (dynamic shapes), built once.
+
+    Same contract and results (tested against the eager function); on CPU inductor fuses the
+    element-wise feature maps into the loops around the two matmuls (about 2x faster from
+    4k tokens, see README). The first call compiles (~30 s on 2 cores); needs a C++ compiler.
+    """
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(fused_latte_attention, dynamic=True)
+    return _COMPILED
