@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..core.flow import LatteConfig, find_latte_layers, set_modes
-from ..core.io import atomic_torch_save, atomic_write_json
+from ..core.io import atomic_write_json, save_calibrated_checkpoint
 from ..viz import plot_sensitivity
 from .calibrate import calibrate_d2_model, unwrap
 
@@ -73,9 +73,7 @@ def run_calibration_d2(
     os.makedirs(work_dir, exist_ok=True)
     ckpt_path = os.path.join(work_dir, "latte_calibrated.pth")
     report_path = os.path.join(work_dir, "latte_report.json")
-    state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-    meta = {"latte": {k: report[k] for k in ("variant", "candidates", "linearized", "config")}}
-    atomic_torch_save({"meta": meta, "state_dict": state, "model": state}, ckpt_path)
+    save_calibrated_checkpoint(unwrap(model), report, ckpt_path)
     if evaluate:
         layers = find_latte_layers(model)
         linear = list(report["linearized"])

@@ -62,7 +62,7 @@ def slim_checkpoint(src: str, dst: str, dtype: "torch.dtype | None" = None) -> d
     Returns:
         The ``meta`` written.
     """
-    from ..core.io import atomic_torch_save
+    from ..core.io import save_checkpoint
 
     register_safe_globals()
     ckpt = torch.load(src, map_location="cpu", weights_only=True)
@@ -76,5 +76,5 @@ def slim_checkpoint(src: str, dst: str, dtype: "torch.dtype | None" = None) -> d
     src_meta = ckpt.get("meta", {}) or {}
     meta = {"source": src, "epoch": int(src_meta.get("epoch", -1)), "iter": int(src_meta.get("iter", -1)),
             "dtype": str(dtype or "as saved")}
-    atomic_torch_save({"meta": meta, "state_dict": out, "model": out}, dst)
+    save_checkpoint(out, meta, dst)
     return meta

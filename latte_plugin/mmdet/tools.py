@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..core.flow import find_latte_layers, set_modes
-from ..core.io import atomic_torch_save, atomic_write_json
+from ..core import io as core_io
+from ..core.io import atomic_write_json
 from ..viz import plot_sensitivity
 from .calibrate import unwrap
 
@@ -33,12 +34,8 @@ def evaluate_bbox(runner, linear: Sequence[str], mode: str = "linear") -> dict:
 
 
 def save_calibrated_checkpoint(model: torch.nn.Module, report: dict, path: str) -> None:
-    """Writes ``{'meta': {'latte': ...}, 'state_dict': ..., 'model': ...}`` atomically; tensors
-    and plain types only. ``model`` is the same tensors (stored once) under detectron2's key,
-    so the file also loads with detectron2's ``DetectionCheckpointer``."""
-    meta = {"latte": {k: report[k] for k in ("variant", "candidates", "linearized", "config")}}
-    state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-    atomic_torch_save({"meta": meta, "state_dict": state, "model": state}, path)
+    """:func:`latte_plugin.core.io.save_calibrated_checkpoint` of the model inside mmengine's wrappers."""
+    core_io.save_calibrated_checkpoint(unwrap(model), report, path)
 
 
 def run_calibration(
