@@ -210,35 +210,72 @@ def test_per_head_fit_is_at_least_as_good_as_shared():
     assert "alpha_per_head" in layer.scalars() or len(set(layer.m.tolist())) == 1
 
 
-def test_heldout_knobs_and_output_refit():
-    """Held-out items choose the L-BFGS iterations and the refit strength; the refit (a ridge
-    refit of the whole output, beyond the paper) beats sigma on the fit set, a huge ridge
-    reduces it to no correction, and every choice is reported."""
+def test_choice_items_pick_the_knobs_and_report_items_only_report():
+    """Choice items pick the L-BFGS iterations and the refit strength; the correction is fitted
+    on the fit items only; the report items give each correction's error and change nothing."""
     model = ToyEncoder().eval()
     swap_attention(model, ["layers.*.attn"])
-    batches = toy_batches(n=8)
+    batches = toy_batches(n=10)
     layer, fit_rec = _record(model, batches[:6], "layers.2.attn")
-    _, held_rec = _record(model, batches[6:], "layers.2.attn")
+    _, choose_rec = _record(model, batches[6:8], "layers.2.attn")
+    _, report_rec = _record(model, batches[8:], "layers.2.attn")
 
-    sig = fit_layer(layer, fit_rec.items, steps=20, heldout=held_rec.items)
-    assert set(sig.heldout["steps"]) == {0, 5, 10, 20} and sig.steps in sig.heldout["steps"]
-    assert sig.heldout_mse == pytest.approx(sig.heldout["correction"]["sigma"])
-    assert min(sig.heldout["steps"].values()) == pytest.approx(sig.heldout["steps"][sig.steps])
+    sig = fit_layer(layer, fit_rec.items, steps=20, correction="sigma", choose=choose_rec.items,
+                    report=report_rec.items)
+    assert set(sig.choice["steps"]) == {0, 5, 10, 20} and sig.steps in sig.choice["steps"]
+    assert min(sig.choice["steps"].values()) == pytest.approx(sig.choice["steps"][sig.steps])
+    assert sig.heldout_mse == pytest.approx(sig.heldout["sigma"]) and set(sig.heldout) == {"none", "sigma", "refit"}
     assert not bool(layer.refit_on)
 
-    ref = fit_layer(layer, fit_rec.items, steps=20, heldout=held_rec.items, refit=True)
-    assert bool(layer.refit_on) and ref.refit_reg in ref.heldout["refit_reg"]
-    assert ref.heldout_mse == pytest.approx(min(ref.heldout["refit_reg"].values()))
+    ref = fit_layer(layer, fit_rec.items, steps=20, correction="refit", choose=choose_rec.items,
+                    report=report_rec.items)
+    assert bool(layer.refit_on) and ref.refit_reg in ref.choice["refit_reg"]
+    assert ref.refit_reg == min(ref.choice["refit_reg"], key=ref.choice["refit_reg"].get)
+    assert ref.heldout_mse == pytest.approx(ref.heldout["refit"])
     assert ref.final_mse < sig.final_mse  # a full refit fits the fit set better than a diagonal
     q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
-    o = layer.linear(q, k, v)
-    assert torch.isfinite(o).all()
+    assert torch.isfinite(layer.linear(q, k, v)).all()
 
     with pytest.raises(ValueError, match="held-out"):
-        fit_layer(layer, fit_rec.items, steps=5, refit=True)  # several strengths, nothing held out
-    big = fit_layer(layer, fit_rec.items, steps=5, refit=True, refit_regs=(1e9,))
+        fit_layer(layer, fit_rec.items, steps=5, correction="refit")  # several strengths, nothing to choose on
+    big = fit_layer(layer, fit_rec.items, steps=5, correction="refit", refit_regs=(1e9,))
     torch.testing.assert_close(layer.refit_weight, torch.eye(32), atol=1e-4, rtol=0)
     assert big.refit_reg == 1e9
+    none = fit_layer(layer, fit_rec.items, steps=5, correction="none")
+    assert not bool(layer.refit_on) and torch.equal(layer.sigma, torch.ones(32)) and none.refit_reg is None
+    with pytest.raises(ValueError, match="correction"):
+        fit_layer(layer, fit_rec.items, correction="diagonal")
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if ".latte." in k}
+
+
+def test_report_images_change_no_fitted_parameter_only_the_heldout_figures():
+    """Held-out means held out: replacing the report images (global positions 7, 15, ...)
+    leaves every fitted buffer bit-identical and changes the reported held-out figures."""
+    cfg = dict(candidates=["layers.*.attn"], ratio=0.67, steps=5, holdout=0.25)
+    batches = toy_batches(n=16)
+    other = toy_batches(n=16, seed=99)
+    changed = list(batches)
+    report_positions = [i for i in range(16) if i % 4 == 3 and (i // 4) % 2 == 1]
+    assert report_positions == [7, 15]
+    for i in report_positions:
+        changed[i] = other[i]
+    runs = []
+    for data in (batches, changed):
+        model = ToyEncoder().eval()
+        swap_attention(model, ["layers.*.attn"])
+        rep = calibrate_model(model, data, lambda b: model(b), LatteConfig(**cfg), log=lambda s: None)
+        runs.append((_state(model), rep))
+    (s0, r0), (s1, r1) = runs
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert r0["linearized"] == r1["linearized"]
+    assert r0["selection"]["images"] == {"fit": 12, "choose": 2, "report": 2}
+    assert r0["selection"]["heldout_distortion"] != r1["selection"]["heldout_distortion"]
+    for n in r0["fit"]:
+        assert r0["fit"][n]["heldout_mse"] != r1["fit"][n]["heldout_mse"]
+        assert r0["fit"][n]["choice"] == r1["fit"][n]["choice"]
 
 
 @pytest.mark.parametrize("selection", ["greedy", "backward"])
@@ -247,14 +284,16 @@ def test_flow_reports_heldout_split_and_distortion(selection):
     swap_attention(model, ["layers.*.attn"])
     rep = calibrate_model(model, toy_batches(n=8), lambda b: model(b),
                           LatteConfig(candidates=["layers.*.attn"], ratio=0.67, steps=5, selection=selection,
-                                      refit=True, holdout=0.25), log=lambda s: None)
+                                      correction="refit", holdout=0.25), log=lambda s: None)
     sel = rep["selection"]
-    assert sel["method"] == selection and sel["fit_batches"] == 6 and sel["heldout_batches"] == 2
+    assert sel["method"] == selection and sel["images"] == {"fit": 6, "choose": 1, "report": 1}
     assert len(rep["linearized"]) == 4 and sel["heldout_distortion"] > 0
     for fit in rep["fit"].values():
         assert fit["refit_reg"] is not None and fit["heldout_mse"] is not None
     with pytest.raises(ValueError, match="holdout"):
         LatteConfig(holdout=1.0).validate()
+    with pytest.raises(ValueError, match="correction="):
+        LatteConfig.from_dict({"refit": False})
 
 
 def test_backward_select_restores_the_most_harmful_layers():

@@ -10,7 +10,9 @@ import torch.multiprocessing as mp
 from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_attention
 from tests.toy import ToyEncoder, toy_batches
 
-CFG = dict(candidates=["layers.*.attn"], ratio=0.67, steps=15, max_queries=1000)
+# max_queries and max_items below what the data holds: the keyed query sampling and the
+# global image budget are exercised, not bypassed
+CFG = dict(candidates=["layers.*.attn"], ratio=0.67, steps=15, max_queries=16, max_items=4)
 
 
 def _free_port() -> int:
@@ -24,7 +26,9 @@ def _summary(model, rep):
     return {
         "linearized": rep["linearized"],
         "sensitivity": rep["sensitivity"],
-        "scalars": {n: (l.m.clone(), l.log_rho.clone(), l.sigma.clone()) for n, l in layers.items()},
+        # every fitted buffer: m, log_rho, sigma and the default correction's refit weights
+        "state": {k: v.clone() for k, v in model.state_dict().items() if ".latte." in k},
+        "fit": {n: (f["steps"], f["refit_reg"], f["heldout_mse"]) for n, f in rep["fit"].items()},
     }
 
 
@@ -65,8 +69,9 @@ def test_two_process_calibration_matches_one(tmp_path):
     assert two["linearized"] == one["linearized"]
     for n in one["sensitivity"]:
         assert two["sensitivity"][n] == pytest.approx(one["sensitivity"][n], rel=1e-5, abs=1e-7)
-        m1, r1, s1 = one["scalars"][n]
-        m2, r2, s2 = two["scalars"][n]
-        torch.testing.assert_close(m2, m1, atol=1e-5, rtol=0)
-        torch.testing.assert_close(r2, r1, atol=1e-5, rtol=0)
-        torch.testing.assert_close(s2, s1, atol=1e-5, rtol=1e-5)
+    assert two["fit"].keys() == one["fit"].keys()
+    for n, (steps, reg, held) in one["fit"].items():
+        assert two["fit"][n][:2] == (steps, reg) and two["fit"][n][2] == pytest.approx(held, rel=1e-5)
+    assert any(k.endswith("refit_weight") for k in one["state"])
+    for k, v in one["state"].items():
+        torch.testing.assert_close(two["state"][k], v, atol=1e-5, rtol=0, msg=k)

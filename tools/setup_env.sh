@@ -6,13 +6,22 @@
 # SETUP_REV below, so a warm machine reuses it. The mmcv 2.1.0 wheel (a ~13 minute compile
 # of its CPU ops) is built once and kept in the same cache, so even a new venv does not
 # compile it again. Bump SETUP_REV when the steps below change what gets installed.
+#
+# Detectron2 (not on PyPI) is installed into the same venv from its official source at
+# the pinned commit D2_COMMIT (the one the README's parity figures come from):
+#   LATTE_DETECTRON2_SRC=<local checkout or source archive>   (offline machines, CI)
+#   otherwise git+<official repository>@D2_COMMIT over the network;
+#   LATTE_DETECTRON2_SRC=none skips it. When neither source works, one line says so and
+#   everything else still runs (the detectron2 tests then skip with the reason).
 set -euo pipefail
-SETUP_REV=1
+SETUP_REV=2
+D2_COMMIT=02b5c4e295e990042a714712c21dc79b731e8833
+D2_REPO=https://github.com/facebookresearch/detectron2
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${LATTE_CACHE:-$HOME/.cache/latte-plugin}"
 py="${LATTE_PYTHON:-python3.11}"
 command -v "$py" >/dev/null || py=python3
-key="$( (cat "$here/tools/requirements.txt"; echo "rev=$SETUP_REV") | sha256sum | cut -c1-12)"
+key="$( (cat "$here/tools/requirements.txt"; echo "rev=$SETUP_REV d2=$D2_COMMIT") | sha256sum | cut -c1-12)"
 venv="${LATTE_VENV:-$cache/venv-$key}"
 wheels="$cache/wheels"
 log() { echo "[setup_env] $*" >&2; }
@@ -46,6 +55,24 @@ else
   pip install mmdet==3.3.0 -r "$here/tools/requirements.txt"
   "$venv/bin/python" -c "import mmcv.ops, mmdet.models, torch; print('[setup_env] mmcv ops OK, torch', torch.__version__)" >&2
   touch "$venv/.latte-ready"
+fi
+
+# Detectron2 at the pinned commit: its own marker, so a venv made where no source was
+# reachable gets it on a later call that has one.
+d2_marker="$venv/.latte-detectron2-$D2_COMMIT"
+d2_src="${LATTE_DETECTRON2_SRC:-git+$D2_REPO@$D2_COMMIT}"
+case "$d2_src" in none|git+*|/*) ;; *) d2_src="$PWD/$d2_src" ;; esac
+if [ ! -f "$d2_marker" ] && [ "$d2_src" != none ]; then
+  d2_log="$cache/detectron2-$key.log"
+  log "installing detectron2 $D2_COMMIT from $d2_src (about 1 minute; log: $d2_log)"
+  if [ -n "${LATTE_DETECTRON2_SRC:-}" ] && [ ! -e "$d2_src" ]; then
+    log "detectron2 not installed: LATTE_DETECTRON2_SRC=$d2_src does not exist; point it at a detectron2 checkout or source archive at commit $D2_COMMIT (detectron2 tests will skip)"
+  elif MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/python" -m pip install --no-build-isolation "$d2_src" >"$d2_log" 2>&1 \
+       && "$venv/bin/python" -c "import detectron2.evaluation, detectron2._C" >>"$d2_log" 2>&1; then
+    touch "$d2_marker"
+  else
+    log "detectron2 not installed (could not build $d2_src, see $d2_log); set LATTE_DETECTRON2_SRC to a detectron2 checkout or source archive at commit $D2_COMMIT (detectron2 tests will skip)"
+  fi
 fi
 # The package itself is installed editable from this checkout on every call (seconds),
 # so a venv shared between clones always points at the clone being run.

@@ -3,11 +3,13 @@
 * :class:`LayerRecorder` keeps a bounded, seeded reservoir of what a layer saw.
 * :func:`fit_layer` fits ``(alpha, rho, sigma)`` by local reconstruction on it.
 
-Statistics that cross ranks go through an ``all_reduce`` callable that sums a tensor in
-place (identity in one process), so every rank computes the same scalars.
+Statistics that cross ranks go through an ``all_reduce`` callable that sums a tensor
+(float64 or float32) in place (identity in one process). The flow shares the recorded items
+(:func:`share_items`) so every rank fits on the same data and computes the same scalars.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -18,7 +20,8 @@ from torch import Tensor
 from . import kernels
 from .layer import LatteParams
 
-__all__ = ["RecordedItem", "LayerRecorder", "fit_layer", "FitResult", "reconstruction_error", "AllReduce"]
+__all__ = ["RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "FitResult",
+           "reconstruction_error", "AllReduce", "CORRECTIONS", "REFIT_REGS", "REFIT_FALLBACK"]
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -33,7 +36,8 @@ class RecordedItem:
 
     Shapes: q ``(H, n, d)``, k ``(H, M, d)``, v ``(H, M, d_v)``, target ``(H, n, d_v)``.
     Padded keys are dropped at record time. ``mask`` ``(1, n, M)`` (``True`` = masked pair)
-    is kept only for layers with a general mask (e.g. causal text attention).
+    is kept only for layers with a general mask (e.g. causal text attention). ``key`` is the
+    image's global key and ``priority`` its keyed random priority (lower = kept first).
     """
 
     q: Tensor
@@ -41,6 +45,14 @@ class RecordedItem:
     v: Tensor
     target: Tensor
     mask: Optional[Tensor] = None
+    key: int = 0
+    priority: float = 0.0
+
+
+def image_generator(seed: int, key: int) -> torch.Generator:
+    """The sampling generator of one image: a function of ``(seed, key)`` only, so an image
+    is sampled the same way whichever rank, batch or order it arrives in."""
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(key) * 7919 + 17) % (2**63 - 1))
 
 
 @dataclass
@@ -48,14 +60,17 @@ class LayerRecorder:
     """Bounded record of a layer's inputs and exact outputs.
 
     Memory stays bounded whatever the number of images: at most ``max_items`` images are
-    kept (reservoir sampling with a fixed seed) and at most ``max_queries`` query tokens of
+    kept (those with the lowest keyed priority) and at most ``max_queries`` query tokens of
     each. All keys of a kept image are stored, because linear attention sums over them.
+    Sampling is keyed to each image's global key (``batch_key``, set by the flow before
+    each forward), not to arrival order, so one process and several record the same
+    items (:func:`share_items` then applies ``max_items`` across ranks and gives every rank all items).
 
     Args:
         name: the layer's module name, for error messages.
         max_items: images kept per layer.
         max_queries: query tokens kept per image.
-        seed: the seed of the sampling generator.
+        seed: the seed of the sampling.
     """
 
     name: str
@@ -64,9 +79,8 @@ class LayerRecorder:
     seed: int = 0
     items: list[RecordedItem] = field(default_factory=list)
     seen: int = 0
-
-    def __post_init__(self) -> None:
-        self._gen = torch.Generator().manual_seed(self.seed)
+    #: global position of the batch about to run (set by the flow); ``None``: arrival order.
+    batch_key: Optional[int] = None
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], out: Tensor,
@@ -83,42 +97,101 @@ class LayerRecorder:
                     "check the input images and the checkpoint"
                 )
         for b in range(q.shape[0]):
+            # image b of batch p is image key p * 1024 + b: global, whatever the rank or order
+            key = self.seen if self.batch_key is None else int(self.batch_key) * 1024 + b
             self.seen += 1
-            slot = len(self.items)
-            if slot >= self.max_items:
-                slot = int(torch.randint(self.seen, (1,), generator=self._gen))
-                if slot >= self.max_items:
-                    continue
-            n = q.shape[2]
-            if n > self.max_queries:
-                idx = torch.randperm(n, generator=self._gen)[: self.max_queries].sort().values
-            else:
-                idx = torch.arange(n)
-            kb, vb = k[b], v[b]
-            mask = None
-            if attn_mask is not None:
-                mask = attn_mask[b if attn_mask.shape[0] > 1 else 0, :1].expand(1, n, k.shape[2])[:, idx.to(q.device)]
-            if key_padding_mask is not None:
-                keep = ~key_padding_mask[b]
-                kb, vb = kb[:, keep], vb[:, keep]
-                mask = None if mask is None else mask[:, :, keep]
-            item = RecordedItem(
-                q=q[b][:, idx].detach().float().cpu(),
-                k=kb.detach().float().cpu(),
-                v=vb.detach().float().cpu(),
-                target=out[b][:, idx].detach().float().cpu(),
-                mask=None if mask is None else mask.detach().cpu(),
-            )
-            if slot == len(self.items):
-                self.items.append(item)
-            else:
-                self.items[slot] = item
+            self._add(self._item(q, k, v, key_padding_mask, out, attn_mask, b, key))
+
+    def _item(self, q, k, v, key_padding_mask, out, attn_mask, b: int, key: int) -> RecordedItem:
+        gen = image_generator(self.seed, key)
+        priority = float(torch.rand(1, generator=gen, dtype=torch.float64))
+        n = q.shape[2]
+        idx = torch.randperm(n, generator=gen)[: self.max_queries].sort().values if n > self.max_queries \
+            else torch.arange(n)
+        kb, vb, mask = k[b], v[b], None
+        if attn_mask is not None:
+            mask = attn_mask[b if attn_mask.shape[0] > 1 else 0, :1].expand(1, n, k.shape[2])[:, idx.to(q.device)]
+        if key_padding_mask is not None:
+            keep = ~key_padding_mask[b]
+            kb, vb = kb[:, keep], vb[:, keep]
+            mask = None if mask is None else mask[:, :, keep]
+        return RecordedItem(q=q[b][:, idx].detach().float().cpu(), k=kb.detach().float().cpu(),
+                            v=vb.detach().float().cpu(), target=out[b][:, idx].detach().float().cpu(),
+                            mask=None if mask is None else mask.detach().cpu(), key=key, priority=priority)
+
+    def _add(self, item: RecordedItem) -> None:
+        self.items.append(item)
+        if len(self.items) > self.max_items:  # drop the highest priority: keeps the lowest max_items
+            worst = max(range(len(self.items)), key=lambda i: (self.items[i].priority, self.items[i].key))
+            self.items.pop(worst)
 
 
-#: L-BFGS iteration counts compared on held-out items (capped at ``steps``).
+_HEADER = ("present", "key", "priority", "H", "n", "M", "d", "dv", "has_mask")
+
+
+def _item_sizes(row: list[float]) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors of an item described by a header row, with their shapes."""
+    h, n, m, d, dv = (int(row[i]) for i in range(3, 8))
+    parts = [("q", (h, n, d)), ("k", (h, m, d)), ("v", (h, m, dv)), ("target", (h, n, dv))]
+    return parts + ([("mask", (1, n, m))] if row[8] else [])
+
+
+def _all_gather_items(items: list[RecordedItem], slots: int, all_reduce: AllReduce,
+                      shard: tuple[int, int]) -> list[RecordedItem]:
+    """Every rank's items on every rank, through the sum-only ``all_reduce``: a header table
+    (one row per rank and slot, zero where empty), then one flat buffer where each rank fills
+    only its own ranges. Adding zeros is exact, so every rank gets the items bit for bit."""
+    rank, world = shard
+    header = torch.zeros(world, slots, len(_HEADER), dtype=torch.float64)
+    for i, it in enumerate(items):
+        (h, n, d), m, dv = it.q.shape, it.k.shape[1], it.v.shape[-1]
+        header[rank, i] = torch.tensor([1.0, it.key, it.priority, h, n, m, d, dv, float(it.mask is not None)],
+                                       dtype=torch.float64)
+    rows = [r for r in all_reduce(header).view(-1, len(_HEADER)).tolist() if r[0] > 0]
+    sizes = [sum(math.prod(shape) for _, shape in _item_sizes(r)) for r in rows]
+    offsets = [0] + list(itertools.accumulate(sizes))
+    flat = torch.zeros(offsets[-1], dtype=torch.float32)
+    first = sum(1 for r in header[:rank].view(-1, len(_HEADER)).tolist() if r[0] > 0)
+    for j, it in enumerate(items):
+        parts = [getattr(it, f).reshape(-1).float() for f, _ in _item_sizes(rows[first + j])]
+        flat[offsets[first + j]:offsets[first + j + 1]] = torch.cat(parts)
+    flat = all_reduce(flat)
+    out = []
+    for r, start in zip(rows, offsets):
+        fields, pos = {}, start
+        for f, shape in _item_sizes(r):
+            fields[f] = flat[pos:pos + math.prod(shape)].view(shape).clone()
+            pos += math.prod(shape)
+        mask = fields.pop("mask", None)
+        out.append(RecordedItem(**fields, mask=None if mask is None else mask.bool(), key=int(r[1]), priority=r[2]))
+    return out
+
+
+def share_items(recorder: LayerRecorder, all_reduce: AllReduce, shard: tuple[int, int]) -> None:
+    """Gives every rank the same items in the same order: the ``max_items`` of lowest keyed
+    priority across all ranks, sorted by key.
+
+    Every rank then fits on identical data in an identical order, so the fitted scalars and
+    corrections equal one process's exactly (sums split across ranks would differ in the last
+    bits, which L-BFGS amplifies along the flat directions of the loss). In one process
+    this only sorts.
+    """
+    items = recorder.items
+    if shard[1] > 1:
+        items = _all_gather_items(items, recorder.max_items, all_reduce, shard)
+    items = sorted(items, key=lambda it: (it.priority, it.key))[: recorder.max_items]
+    recorder.items = sorted(items, key=lambda it: it.key)
+
+
+#: L-BFGS iteration counts compared on the choice items (capped at ``steps``).
 STEP_CHECKPOINTS = (5, 10, 20, 40, 80)
 #: Ridge strengths of the output refit, relative to the mean energy of its inputs.
 REFIT_REGS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+#: Ridge strength used when nothing is held out to choose it (the more cautious of the values
+#: the choice items picked on the embedded models: README, Results).
+REFIT_FALLBACK = 0.01
+#: Output corrections: none, the paper's per-channel sigma, or the ridge refit of the whole output.
+CORRECTIONS = ("none", "sigma", "refit")
 
 
 @dataclass
@@ -128,11 +201,14 @@ class FitResult:
     Attributes:
         initial_mse, final_mse: fit-set MSE at the start (alpha from the weighted mean) and at the end.
         alpha_init: the starting anchor.
-        heldout_mse: held-out MSE of the final scalars and correction (fitted without those items).
-        steps: the L-BFGS iterations kept (chosen on held-out items when there are any).
-        refit_reg: the chosen ridge strength of the output refit (``None`` without refit).
-        heldout: the held-out comparisons: ``{"steps": {n: mse}, "refit_reg": {reg: mse},
-            "correction": {"none": mse, "sigma": mse, "refit": mse}}``.
+        heldout_mse: MSE of the final layer (scalars and correction) on the *report* items:
+            images nothing was fitted on and nothing was chosen by. ``None`` without them.
+        steps: the L-BFGS iterations kept (chosen on the choice items when there are any).
+        refit_reg: the chosen ridge strength of the output refit (``None`` unless ``correction='refit'``).
+        choice: errors on the *choice* items that chose the knobs, ``{"steps": {n: mse},
+            "refit_reg": {reg: mse}}`` (not held-out figures: they picked the winner).
+        heldout: each correction's MSE on the report items, all fitted on the fit items only:
+            ``{"none": mse, "sigma": mse, "refit": mse}``.
     """
 
     initial_mse: float
@@ -141,6 +217,7 @@ class FitResult:
     heldout_mse: Optional[float] = None
     steps: Optional[int] = None
     refit_reg: Optional[float] = None
+    choice: dict = field(default_factory=dict)
     heldout: dict = field(default_factory=dict)
 
 
@@ -290,86 +367,38 @@ def _ridge(sums: dict[str, Tensor], reg: float) -> Tensor:
     return torch.linalg.solve(a + 1e-12 * torch.eye(c + 1, dtype=torch.float64), b)
 
 
-def fit_layer(
-    layer: LatteParams,
-    items: list[RecordedItem],
-    steps: int = 20,
-    lr: float = 1.0,
-    fit_sigma: bool = True,
-    all_reduce: AllReduce = _no_reduce,
-    per_head: bool = False,
-    heldout: Optional[list[RecordedItem]] = None,
-    refit: bool = False,
-    refit_regs: tuple = REFIT_REGS,
-) -> FitResult:
-    """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
+@dataclass
+class _Stacked:
+    """A rank's items stacked by shape (float64) and the global element count of their targets."""
 
-    ``m`` (so alpha) starts at the softmax-weighted mean score and ``log_rho`` at 0. A coarse
-    grid over ``(m, log_rho)`` picks the start (robust to the sharpness of the layer), then
-    full-batch L-BFGS (strong-Wolfe line search) minimises the mean squared error against
-    the recorded softmax outputs, with loss and gradients summed across ranks. ``jpn_only``
-    keeps ``m = 1`` (alpha = 0) and ``qtvit`` has no anchor. Deterministic: no sampling here.
+    groups: list[RecordedItem]
+    total: float
 
-    With ``heldout`` items (images not used for fitting), the knobs are chosen on them: the
-    number of L-BFGS iterations (among :data:`STEP_CHECKPOINTS` up to ``steps``, 0 = the grid
-    start) and the ridge strength of the refit. The output correction is then fitted in
-    closed form on all items: sigma (per-channel least squares, the paper) or, with
-    ``refit``, a ridge-regularised full ``C x C`` refit of the output (beyond the paper).
+    @classmethod
+    def of(cls, items: list[RecordedItem], all_reduce: AllReduce) -> "_Stacked":
+        total = float(_sum_count([(0.0, float(it.target.numel())) for it in items], all_reduce)[1])
+        return cls(_stack_by_shape(items), total)
 
-    Args:
-        layer: the layer whose buffers are set.
-        items: its recordings used for fitting (this rank's share).
-        steps: maximum L-BFGS iterations. lr: L-BFGS step scale.
-        fit_sigma: fit sigma (else it stays ones; ignored with ``refit``).
-        all_reduce: sums a tensor across ranks in place.
-        per_head: one ``(m, log_rho)`` per head; else one pair shared by the layer (the paper).
-        heldout: recordings of held-out images, for choosing the knobs (optional).
-        refit: fit the full output refit instead of sigma.
-        refit_regs: ridge strengths compared on ``heldout`` (one value: used as is).
+    def head_losses(self, layer: LatteParams, m: Tensor, log_rho: Tensor, all_reduce: AllReduce) -> Tensor:
+        """Global per-head MSE ``(H,)`` at ``(m, log_rho)`` (shared values broadcast over heads)."""
+        h = layer.num_heads
+        loss = _head_losses(layer, self.groups, m.expand(h), log_rho.expand(h), max(self.total, 1.0))
+        return all_reduce(loss.detach().clone())
 
-    Returns:
-        :class:`FitResult`.
 
-    Raises:
-        ValueError: no recorded items on any rank; ``refit`` with several strengths and no held-out items.
-    """
-    local = torch.tensor([float(len(items)), float(len(heldout or []))], dtype=torch.float64)
-    counts = all_reduce(local)
-    if float(counts[0]) == 0:
-        raise ValueError("empty calibration set: no image reached the layer; give at least one image")
-    has_held = float(counts[1]) > 0
-    if refit and not has_held and len(refit_regs) != 1:
-        raise ValueError("choosing the refit strength needs held-out images (holdout > 0) or a single refit_reg")
-    heldout = list(heldout or [])
-    variant = layer.variant
-    h = layer.num_heads
-    alpha0 = softmax_weighted_mean_score(items, all_reduce)
-    alpha0 = min(alpha0, 1.0 - 1e-4)
-    fit_m = variant in ("latte", "tte_only")
-    m0 = math.sqrt(1.0 - alpha0) if fit_m else 1.0
+def _reset(layer: LatteParams, m0: float) -> None:
     layer.sigma.fill_(1.0)
     layer.refit_on.fill_(False)
     layer.refit_weight.copy_(torch.eye(layer.embed_dim))
     layer.refit_bias.zero_()
     layer.m.fill_(m0)
     layer.log_rho.fill_(0.0)
-    initial = reconstruction_error(layer, items, all_reduce, use_sigma=False)
 
-    total = float(_sum_count([(0.0, float(it.target.numel())) for it in items], all_reduce)[1])
-    stacked = _stack_by_shape(items)
-    held_total = float(_sum_count([(0.0, float(it.target.numel())) for it in heldout], all_reduce)[1])
-    held_stacked = _stack_by_shape(heldout)
 
-    def losses(m: Tensor, log_rho: Tensor) -> Tensor:  # (H,), identical on every rank
-        return all_reduce(_head_losses(layer, stacked, m.expand(h), log_rho.expand(h), total).detach().clone())
-
-    def held_loss(m: Tensor, log_rho: Tensor) -> float:
-        with torch.no_grad():
-            val = _head_losses(layer, held_stacked, m.expand(h), log_rho.expand(h), max(held_total, 1.0)).sum()
-        return float(all_reduce(val.detach().reshape(1).clone())[0])
-
-    # coarse start, per head or shared
-    n_par = h if per_head else 1
+def grid_start(layer: LatteParams, fit: _Stacked, m0: float, fit_m: bool, per_head: bool,
+               all_reduce: AllReduce) -> tuple[Tensor, Tensor, Tensor]:
+    """The best ``(loss, m, log_rho)`` of a coarse grid (per head or shared), robust to the layer's sharpness."""
+    n_par = layer.num_heads if per_head else 1
     best = torch.full((n_par,), math.inf, dtype=torch.float64)
     best_m = torch.full((n_par,), m0, dtype=torch.float64)
     best_r = torch.zeros(n_par, dtype=torch.float64)
@@ -377,93 +406,179 @@ def fit_layer(
         for mm in (sorted({m0, 0.3, 1.0, 2.0}) if fit_m else [m0]):
             for r0 in (0.0, 2.0, 4.0, 8.0):
                 one = torch.tensor([mm], dtype=torch.float64)
-                val = losses(one, torch.tensor([r0], dtype=torch.float64))
+                val = fit.head_losses(layer, one, torch.tensor([r0], dtype=torch.float64), all_reduce)
                 val = val if per_head else val.sum().reshape(1)
                 better = val < best
                 best = torch.where(better, val, best)
                 best_m = torch.where(better, one, best_m)
                 best_r = torch.where(better, torch.full_like(best_r, r0), best_r)
+    return best, best_m, best_r
+
+
+def lbfgs_refine(
+    layer: LatteParams, fit: _Stacked, start: tuple[Tensor, Tensor, Tensor], fit_m: bool, steps: int, lr: float,
+    per_head: bool, all_reduce: AllReduce, choose: Optional[_Stacked] = None,
+) -> tuple[Tensor, Tensor, int, dict]:
+    """Full-batch L-BFGS (strong Wolfe) from the grid start on the fit items.
+
+    With ``choose`` items, the iterate is scored on them at each of :data:`STEP_CHECKPOINTS`
+    (0 = the grid start) and the best is kept; else the last. An iterate that is non-finite or
+    worse than the grid start on the fit items is replaced by the start.
+
+    Returns:
+        ``(m, log_rho, iterations kept, {iterations: MSE on the choice items})``.
+    """
+    best, best_m, best_r = start
     m = best_m.clone().requires_grad_(fit_m)
     log_rho = best_r.clone().requires_grad_(True)
     params = [p for p in (m, log_rho) if p.requires_grad]
+    h = layer.num_heads
+
+    def score(mm: Tensor, rr: Tensor) -> float:
+        return float(choose.head_losses(layer, mm, rr, all_reduce).sum())
 
     def sanitized() -> tuple[Tensor, Tensor]:
-        """Current (m, log_rho); where the line search wandered off (non-finite or worse than
-        the grid's best on the fit set), the grid's best instead."""
         with torch.no_grad():
-            m_fit = m.detach().abs().clone()
-            r_fit = log_rho.detach().clamp(-20.0, 20.0)  # keeps the gauge from drifting to overflow
-            fitted = losses(m_fit, r_fit)
-            fitted = fitted if per_head else fitted.sum().reshape(1)
-            bad = ~torch.isfinite(fitted) | ~torch.isfinite(m_fit) | (fitted > best)
+            m_fit, r_fit = m.detach().abs().clone(), log_rho.detach().clamp(-20.0, 20.0)  # gauge cannot overflow
+            val = fit.head_losses(layer, m_fit, r_fit, all_reduce)
+            val = val if per_head else val.sum().reshape(1)
+            bad = ~torch.isfinite(val) | ~torch.isfinite(m_fit) | (val > best)
             return torch.where(bad, best_m, m_fit), torch.where(bad, best_r, r_fit)
 
-    step_trace: dict[int, float] = {}
-    chosen_m, chosen_r, chosen_steps = best_m.clone(), best_r.clone(), 0
-    if has_held:
-        step_trace[0] = best_held = held_loss(chosen_m, chosen_r)
-    if steps > 0:
-        opt = torch.optim.LBFGS(params, lr=lr, max_iter=steps, line_search_fn="strong_wolfe",
-                                tolerance_grad=1e-12, tolerance_change=1e-14)
+    def closure() -> Tensor:
+        opt.zero_grad()
+        with torch.enable_grad():
+            loss = _head_losses(layer, fit.groups, m.expand(h), log_rho.expand(h), fit.total).sum()
+            grads = torch.autograd.grad(loss, params)
+        g = all_reduce(torch.stack([x.detach() for x in grads]))
+        for p, gi in zip(params, g):
+            p.grad = gi.clone()
+        return all_reduce(loss.detach().reshape(1).clone())[0]
 
-        def closure() -> Tensor:
-            opt.zero_grad()
-            with torch.enable_grad():
-                loss = _head_losses(layer, stacked, m.expand(h), log_rho.expand(h), total).sum()
-                grads = torch.autograd.grad(loss, params)
-            g = all_reduce(torch.stack([x.detach() for x in grads]))
-            for p, gi in zip(params, g):
-                p.grad = gi.clone()
-            return all_reduce(loss.detach().reshape(1).clone())[0]
+    chosen = (best_m.clone(), best_r.clone(), 0)
+    trace = {0: score(best_m, best_r)} if choose is not None else {}
+    if steps <= 0:
+        return (*chosen, trace)
+    opt = torch.optim.LBFGS(params, lr=lr, max_iter=steps, line_search_fn="strong_wolfe",
+                            tolerance_grad=1e-12, tolerance_change=1e-14)
+    done = 0
+    for c in (sorted({c for c in STEP_CHECKPOINTS if c < steps} | {steps}) if choose is not None else [steps]):
+        opt.param_groups[0]["max_iter"], opt.param_groups[0]["max_eval"] = c - done, (c - done) * 5 // 4
+        opt.step(closure)
+        done = c
+        m_c, r_c = sanitized()
+        if choose is None:
+            chosen = (m_c, r_c, c)
+            continue
+        trace[c] = e = score(m_c, r_c)
+        if math.isfinite(e) and e < trace[chosen[2]]:
+            chosen = (m_c, r_c, c)
+    return (*chosen, trace)
 
-        checkpoints = sorted({c for c in STEP_CHECKPOINTS if c < steps} | {steps}) if has_held else [steps]
-        done = 0
-        for c in checkpoints:
-            opt.param_groups[0]["max_iter"] = c - done
-            opt.param_groups[0]["max_eval"] = (c - done) * 5 // 4
-            opt.step(closure)
-            done = c
-            m_c, r_c = sanitized()
-            if has_held:
-                step_trace[c] = e = held_loss(m_c, r_c)
-                if math.isfinite(e) and e < best_held:
-                    best_held, chosen_m, chosen_r, chosen_steps = e, m_c, r_c, c
-            else:
-                chosen_m, chosen_r, chosen_steps = m_c, r_c, c
-    layer.m.copy_(chosen_m.expand(h))
-    layer.log_rho.copy_(chosen_r.expand(h))
 
-    # output correction: knobs on held-out items, then the final closed form on all items
-    c_dim = layer.embed_dim
-    fit_sums = _normal_sums(layer, stacked, all_reduce)
-    held_info: dict = {}
-    refit_reg = None
-    if has_held:
-        held_info["steps"] = step_trace
-        held_sums = _normal_sums(layer, held_stacked, all_reduce)
-        held_info["correction"] = {
-            "none": _correction_mse(_identity_w(c_dim), held_sums),
-            "sigma": _correction_mse(_identity_w(c_dim, _sigma_from_sums(fit_sums)), held_sums),
-        }
-        regs = {float(r): _correction_mse(_ridge(fit_sums, float(r)), held_sums) for r in refit_regs}
-        regs = {r: (e if math.isfinite(e) else math.inf) for r, e in regs.items()}
-        held_info["refit_reg"] = regs
-        refit_reg = min(regs, key=lambda r: (regs[r], r))
-        held_info["correction"]["refit"] = regs[refit_reg]
-        all_sums = _add_sums(fit_sums, held_sums)
-    else:
-        all_sums = fit_sums
-        refit_reg = float(refit_regs[0]) if refit else None
-    if refit:
-        w = _ridge(all_sums, refit_reg)
-        layer.refit_weight.copy_(w[:c_dim].t().float())
-        layer.refit_bias.copy_(w[c_dim].float())
+def correction_weights(kind: str, fit_sums: dict[str, Tensor], reg: Optional[float] = None) -> Tensor:
+    """``(C+1, C)`` weights of an output correction fitted on ``fit_sums`` only (last row: bias)."""
+    c = fit_sums["xty"].shape[1]
+    if kind == "none":
+        return _identity_w(c)
+    if kind == "sigma":
+        return _identity_w(c, _sigma_from_sums(fit_sums))
+    return _ridge(fit_sums, float(reg))
+
+
+def choose_refit_reg(fit_sums: dict[str, Tensor], choose_sums: Optional[dict[str, Tensor]],
+                     refit_regs: tuple) -> tuple[float, dict]:
+    """The ridge strength of lowest error on the choice items (the only one, without them)."""
+    if choose_sums is None:
+        if len(refit_regs) != 1:
+            raise ValueError("choosing the refit strength needs held-out images (holdout > 0) or a single refit_reg")
+        return float(refit_regs[0]), {}
+    errs = {float(r): _correction_mse(_ridge(fit_sums, float(r)), choose_sums) for r in refit_regs}
+    errs = {r: (e if math.isfinite(e) else math.inf) for r, e in errs.items()}
+    return min(errs, key=lambda r: (errs[r], r)), errs
+
+
+def apply_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
+    """Writes a correction into the layer's buffers (sigma for ``sigma``, the refit for ``refit``)."""
+    c = layer.embed_dim
+    if kind == "sigma":
+        layer.sigma.copy_(w[:c].diagonal().float())
+    elif kind == "refit":
+        layer.refit_weight.copy_(w[:c].t().float())
+        layer.refit_bias.copy_(w[c].float())
         layer.refit_on.fill_(True)
-    elif fit_sigma:
-        layer.sigma.copy_(_sigma_from_sums(all_sums).float())
-    final = reconstruction_error(layer, items, all_reduce, use_sigma=True)
-    # the correction used, as fitted on the fit items only: a true held-out error
-    held_final = held_info["correction"]["refit" if refit else "sigma" if fit_sigma else "none"] if has_held else None
+
+
+def fit_layer(
+    layer: LatteParams,
+    items: list[RecordedItem],
+    steps: int = 20,
+    lr: float = 1.0,
+    correction: str = "sigma",
+    all_reduce: AllReduce = _no_reduce,
+    per_head: bool = False,
+    choose: Optional[list[RecordedItem]] = None,
+    report: Optional[list[RecordedItem]] = None,
+    refit_regs: tuple = REFIT_REGS,
+) -> FitResult:
+    """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
+
+    ``m`` (so alpha) starts at the softmax-weighted mean score, then :func:`grid_start` and
+    :func:`lbfgs_refine` minimise the MSE against the recorded softmax outputs (loss and
+    gradients summed across ranks). ``jpn_only`` keeps ``m = 1`` and ``qtvit`` has no anchor.
+    The output correction is then fitted in closed form on the fit items only.
+
+    Three disjoint sets of images play three roles: ``items`` are fitted on; ``choose`` items
+    choose the knobs (L-BFGS iterations, ridge strength); ``report`` items are fitted on by
+    nothing and choose nothing, so their errors are honest held-out figures.
+
+    Args:
+        layer: the layer whose buffers are set.
+        items: its recordings used for fitting (this rank's share).
+        steps: maximum L-BFGS iterations. lr: L-BFGS step scale.
+        correction: one of :data:`CORRECTIONS`.
+        all_reduce: sums a tensor across ranks in place.
+        per_head: one ``(m, log_rho)`` per head; else one pair shared by the layer (the paper).
+        choose: recordings of the images that choose the knobs (optional).
+        report: recordings of the images the held-out errors are reported on (optional).
+        refit_regs: ridge strengths compared on ``choose`` (one value: used as is).
+
+    Raises:
+        ValueError: no recorded items on any rank; an unknown correction; ``refit`` with several
+            strengths and no choice items.
+    """
+    if correction not in CORRECTIONS:
+        raise ValueError(f"unknown output correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
+    counts = all_reduce(torch.tensor([float(len(items)), float(len(choose or [])), float(len(report or []))],
+                                     dtype=torch.float64))
+    if float(counts[0]) == 0:
+        raise ValueError("empty calibration set: no image reached the layer; give at least one image")
+    fit_m = layer.variant in ("latte", "tte_only")
+    alpha0 = min(softmax_weighted_mean_score(items, all_reduce), 1.0 - 1e-4)
+    m0 = math.sqrt(1.0 - alpha0) if fit_m else 1.0
+    _reset(layer, m0)
+    initial = reconstruction_error(layer, items, all_reduce, use_sigma=False)
+    fit = _Stacked.of(items, all_reduce)
+    chooser = _Stacked.of(choose or [], all_reduce) if float(counts[1]) > 0 else None
+    start = grid_start(layer, fit, m0, fit_m, per_head, all_reduce)
+    m, log_rho, n_steps, step_trace = lbfgs_refine(layer, fit, start, fit_m, steps, lr, per_head, all_reduce, chooser)
+    layer.m.copy_(m.expand(layer.num_heads))
+    layer.log_rho.copy_(log_rho.expand(layer.num_heads))
+
+    fit_sums = _normal_sums(layer, fit.groups, all_reduce)
+    choose_sums = _normal_sums(layer, chooser.groups, all_reduce) if chooser is not None else None
+    reg, reg_trace = choose_refit_reg(fit_sums, choose_sums, refit_regs) if correction == "refit" else (None, {})
+    apply_correction(layer, correction, correction_weights(correction, fit_sums, reg))
     layer.calibrated.fill_(True)
-    return FitResult(initial_mse=initial, final_mse=final, alpha_init=alpha0, heldout_mse=held_final,
-                     steps=chosen_steps, refit_reg=refit_reg if refit else None, heldout=held_info)
+    heldout = _report_errors(layer, fit_sums, report or [], all_reduce, reg) if float(counts[2]) > 0 else {}
+    return FitResult(initial_mse=initial, final_mse=reconstruction_error(layer, items, all_reduce),
+                     alpha_init=alpha0, heldout_mse=heldout.get(correction), steps=n_steps, refit_reg=reg,
+                     choice={"steps": step_trace, "refit_reg": reg_trace}, heldout=heldout)
+
+
+def _report_errors(layer: LatteParams, fit_sums: dict[str, Tensor], report: list[RecordedItem],
+                   all_reduce: AllReduce, reg: Optional[float]) -> dict[str, float]:
+    """Each correction's MSE on the report items (all fitted on the fit items only)."""
+    report_sums = _normal_sums(layer, _stack_by_shape(report), all_reduce)
+    reg = reg if reg is not None else REFIT_FALLBACK
+    return {kind: _correction_mse(correction_weights(kind, fit_sums, reg), report_sums) for kind in CORRECTIONS}

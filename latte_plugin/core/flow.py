@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import flops as flops_mod
-from .calibration import AllReduce, LayerRecorder, fit_layer
+from .calibration import CORRECTIONS, REFIT_FALLBACK, REFIT_REGS, AllReduce, LayerRecorder, fit_layer, share_items
 from .kernels import VARIANTS
 from .layer import MODES, LatteParams
 from .selection import SensitivityStats, backward_select, greedy_select, num_linear_layers, select_by_score
@@ -31,44 +31,39 @@ __all__ = [
 ]
 
 SELECTIONS = ("score", "greedy", "backward")
-#: Ridge strength used when nothing is held out to choose it: held-out data chose 0.01 for
-#: most DETR layers and 0.001 for every RT-DETR layer (README, Results); 0.01 is the more
-#: cautious of the two (stronger regularisation overfits less).
-REFIT_FALLBACK = 0.01
+#: When a model calibrates: ``auto`` only if its LATTE layers hold no calibrated state,
+#: ``always`` even if they do, ``never`` (an uncalibrated model is then an error).
+CALIBRATE = ("auto", "always", "never")
 
 
 @dataclass
 class LatteConfig:
-    """Everything a user sets for LATTE; the same keys appear in mmdet and detectron2 configs.
+    """Everything a user sets for LATTE; the same keys in every adapter (mmdet ``LinearizeHook``,
+    detectron2 ``model.latte`` and ``LinearizeHook``, :func:`latte_plugin.linearize`) and, as
+    ``--flags``, in ``tools/calibrate.py`` (built from this docstring).
 
     Attributes:
-        candidates: ``fnmatch`` patterns over module names, e.g. ``'encoder.layers.*.self_attn'``.
-        ratio: fraction of candidates made linear (ignored when ``num_linear`` is set).
+        candidates: fnmatch patterns over module names of the attention modules that may go linear.
+        ratio: fraction of the candidates made linear (ignored when num_linear is set).
         num_linear: exact number of candidates made linear.
-        variant: one of ``qtvit``, ``jpn_only``, ``tte_only``, ``latte``.
+        variant: feature map: qtvit, jpn_only, tte_only or latte.
         num_images: calibration images taken from the train split.
-        max_items, max_queries: recording bounds per layer (images, query tokens per image).
-        steps, lr: the per-layer fit's maximum L-BFGS iterations and step scale; with held-out
-            images the iteration count is chosen on them (among 0, 5, 10, 20, 40, 80 up to ``steps``).
-        fit_sigma: fit the output rescaling sigma (the paper's diagonal correction).
-        refit: fit a ridge-regularised full refit of each layer's output instead of sigma
-            (beyond the paper; the default, since it won on held-out data: README); the ridge
-            strength is chosen on held-out images among ``refit_reg`` (with no held-out
-            images, :data:`REFIT_FALLBACK`).
-        refit_reg: candidate ridge strengths (relative to the input energy).
-        holdout: fraction of the calibration batches held out from fitting and selection; the
-            knobs above are chosen on them and the report gives held-out errors. 0 disables.
+        max_items: images recorded per layer, across all ranks (lowest keyed priority kept).
+        max_queries: query tokens recorded per image (keyed random subset).
+        steps: maximum L-BFGS iterations of the per-layer fit (with held-out images the count is chosen on them).
+        lr: L-BFGS step scale.
+        correction: output correction of each linear layer: none, sigma (the paper) or refit (ridge refit of the whole output, beyond the paper).
+        refit_reg: candidate ridge strengths of the refit, relative to the input energy (chosen on held-out images).
+        holdout: fraction of calibration images held out; half of them choose the knobs, the other half only report held-out errors; 0 disables.
         per_head: fit one (alpha, rho) per head instead of one per layer (beyond the paper).
-        sequential: fit layer l on inputs from the model with layers < l already linear.
-        selection: ``greedy`` (global: add the layer that hurts the model's final output least),
-            ``backward`` (global: start all-linear, restore the most harmful layer to exact
-            until ``k`` remain) or ``score`` (the paper's per-layer score with ``lam``).
+        sequential: fit layer l on inputs from the model with the layers before it already linear.
+        selection: greedy (add the layer that hurts the final output least), backward (start all-linear, restore the most harmful) or score (the paper's per-layer score).
         lam: lambda of the sensitivity score.
-        greedy_images: calibration images used by greedy selection.
-        mode: mode of the selected layers, ``linear`` or ``dynamic``.
-        threshold: key count below which ``dynamic`` layers use softmax (default from the
-            measured CPU crossover; re-measure on your hardware).
-        seed: seeds the recorders' sampling.
+        greedy_images: calibration images the global selections compare outputs on.
+        mode: mode of the selected layers: linear, or dynamic (softmax below threshold keys).
+        threshold: key count below which dynamic layers use softmax (the measured CPU crossover; re-measure on your hardware).
+        seed: seeds the calibration sampler and the recorders' keyed sampling.
+        calibrate: auto (only if the model holds no LATTE state), always, or never (an uncalibrated model is an error).
     """
 
     candidates: Sequence[str] = ("encoder.layers.*.self_attn",)
@@ -80,9 +75,8 @@ class LatteConfig:
     max_queries: int = 128
     steps: int = 20
     lr: float = 1.0
-    fit_sigma: bool = True
-    refit: bool = True
-    refit_reg: Sequence[float] = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+    correction: str = "refit"
+    refit_reg: Sequence[float] = REFIT_REGS
     holdout: float = 0.25
     per_head: bool = False
     sequential: bool = False
@@ -94,6 +88,7 @@ class LatteConfig:
     # LATTE is 0.46x SDPA at 128 tokens, even at 256 (1.03x), faster from 512 (README, Performance).
     threshold: int = 256
     seed: int = 0
+    calibrate: str = "auto"
 
     def validate(self) -> "LatteConfig":
         """Checks every field; raises ``ValueError`` naming the bad one."""
@@ -101,6 +96,10 @@ class LatteConfig:
             raise ValueError(f"unknown LATTE variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
+        if self.calibrate not in CALIBRATE:
+            raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {self.calibrate!r}")
         if self.mode not in ("linear", "dynamic"):
             raise ValueError(f"mode of the selected layers must be 'linear' or 'dynamic', got {self.mode!r}")
         if self.num_linear is None:
@@ -123,6 +122,8 @@ class LatteConfig:
     def from_dict(cls, d: Optional[dict]) -> "LatteConfig":
         d = dict(d or {})
         unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown & {"refit", "fit_sigma"}:
+            raise ValueError("'refit' and 'fit_sigma' were replaced by correction='none'|'sigma'|'refit'")
         if unknown:
             raise ValueError(f"unknown LATTE setting(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
         return cls(**d).validate()
@@ -202,6 +203,220 @@ def attention_gflops(
     return total / 1e9
 
 
+#: The roles of calibration images: fitted on; choosing the knobs; only reporting held-out errors.
+ROLES = ("fit", "choose", "report")
+
+
+@dataclass
+class CalibrationSplit:
+    """This rank's calibration batches by role, each as ``(global position, batch)``.
+
+    The roles come from the global position alone (:func:`image_role`), so the split is the
+    same whatever the number of processes. ``greedy`` is the global selections' subset of ``fit``.
+    """
+
+    fit: list = field(default_factory=list)
+    choose: list = field(default_factory=list)
+    report: list = field(default_factory=list)
+    greedy: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+
+
+def image_role(position: int, holdout: float) -> str:
+    """``fit``, ``choose`` or ``report`` for a global batch position.
+
+    Every ``round(1 / holdout)``-th position is held out; held-out positions alternate between
+    ``choose`` (they pick the knobs) and ``report`` (nothing is fitted on or chosen by them).
+    """
+    if holdout <= 0:
+        return "fit"
+    period = max(2, int(round(1.0 / float(holdout))))
+    if position % period != period - 1:
+        return "fit"
+    return "choose" if (position // period) % 2 == 0 else "report"
+
+
+def split_calibration(batches: Sequence[Any], positions: Sequence[int], cfg: LatteConfig,
+                      reduce: AllReduce) -> CalibrationSplit:
+    """Deals this rank's batches to the roles and picks the global greedy subset of ``fit``:
+    the ``greedy_images`` fit positions of lowest global position (whichever rank holds them)."""
+    split = CalibrationSplit()
+    for pos, batch in zip(positions, batches):
+        getattr(split, image_role(int(pos), cfg.holdout)).append((int(pos), batch))
+    fit_rank = {}  # global position -> index among the global fit positions (a function of the position)
+    for g in range(max((int(p) for p in positions), default=-1) + 1):
+        if image_role(g, cfg.holdout) == "fit":
+            fit_rank[g] = len(fit_rank)
+    split.greedy = [(p, b) for p, b in split.fit if fit_rank[p] < max(1, cfg.greedy_images)]
+    local = torch.tensor([float(len(getattr(split, r))) for r in ROLES], dtype=torch.float64)
+    split.counts = dict(zip(ROLES, (int(x) for x in reduce(local).tolist())))
+    return split
+
+
+def record_layers(layers: dict[str, LatteParams], group: list[str], split: CalibrationSplit, cfg: LatteConfig,
+                  forward: Callable[[Any], Any], progress: Callable, reduce: AllReduce,
+                  shard: tuple[int, int], desc: str) -> dict[str, dict[str, LayerRecorder]]:
+    """Runs every role's batches once with recorders on ``group``: ``{role: {layer: recorder}}``.
+
+    Each image is keyed by its global position, so sampling and the ``max_items`` budget
+    (applied across ranks) do not depend on the number of processes.
+    """
+    recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group} for role in ROLES}
+    try:
+        for role in ROLES:
+            part = getattr(split, role)
+            for n in group:
+                layers[n].recorder = recs[role][n]
+            label = desc if role == "fit" else f"{desc} ({role} images)"
+            for pos, batch in progress(part, len(part), label):
+                for n in group:
+                    recs[role][n].batch_key = pos
+                forward(batch)
+    finally:
+        for n in group:
+            layers[n].recorder = None
+    for role in ROLES:
+        for rec in recs[role].values():
+            share_items(rec, reduce, shard)
+    return recs
+
+
+def _refit_regs(cfg: LatteConfig, split: CalibrationSplit, log: Callable[[str], None]) -> tuple:
+    regs = tuple(float(r) for r in cfg.refit_reg)
+    if cfg.correction == "refit" and split.counts["choose"] == 0 and len(regs) > 1:
+        log(f"[latte] no held-out images to choose the refit strength: using {REFIT_FALLBACK}")
+        return (REFIT_FALLBACK,)
+    return regs
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def fit_layers(layers: dict[str, LatteParams], group: list[str], recs: dict, cfg: LatteConfig,
+               refit_regs: tuple, log: Callable[[str], None]) -> dict[str, dict]:
+    """Fits each layer of ``group`` on its ``fit`` records (knobs on ``choose``, errors on ``report``)."""
+    fits = {}
+    for n in group:
+        # every rank holds every item (share_items): no all-reduce, so the sums run in one fixed order
+        res = fit_layer(layers[n], recs["fit"][n].items, cfg.steps, cfg.lr, cfg.correction, _identity, cfg.per_head,
+                        choose=recs["choose"][n].items, report=recs["report"][n].items, refit_regs=refit_regs)
+        fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
+                   "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
+                   "heldout": res.heldout, "choice": res.choice}
+        held = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e}"
+        log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={float(layers[n].log_rho.exp().mean()):.4g} "
+            f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held} (steps {res.steps})")
+    return fits
+
+
+class _Capture:
+    """A layer probe that keeps the last output it saw."""
+
+    def __init__(self, store: dict, name: str) -> None:
+        self.store, self.name = store, name
+
+    def __call__(self, out: Tensor) -> None:
+        self.store[self.name] = out.detach()
+
+
+def score_sensitivity(layers: dict[str, LatteParams], batches: list, forward: Callable[[Any], Any],
+                      cfg: LatteConfig, reduce: AllReduce, progress: Callable) -> tuple[dict, dict]:
+    """The paper's per-layer score (exact vs fully linear outputs, streamed) and each layer's
+    mean token count ``{layer: (N, N)}``, over ``batches``."""
+    names = list(layers)
+    stats = {n: SensitivityStats() for n in names}
+    tokens = torch.zeros(len(names), 2, dtype=torch.float64)  # (token rows, images) per layer
+    captured: dict[str, Tensor] = {}
+    for n in names:
+        layers[n].probe = _Capture(captured, n)
+    try:
+        for _, batch in progress(batches, len(batches), "scoring"):
+            outs = []
+            for linear in ([], names):
+                set_modes(layers, linear)
+                captured.clear()
+                forward(batch)
+                outs.append(dict(captured))
+            for i, n in enumerate(names):
+                if n not in outs[0] or n not in outs[1]:
+                    raise RuntimeError(f"layer {n} was not run by forward(); is it really used by the model?")
+                stats[n].update(outs[0][n], outs[1][n])
+                tokens[i] += torch.tensor([outs[0][n].shape[0] * outs[0][n].shape[1], outs[0][n].shape[0]])
+    finally:
+        for n in names:
+            layers[n].probe = None
+    for n in names:
+        stats[n].sums = reduce(stats[n].sums)
+    tokens = reduce(tokens)
+    shapes = {n: (int(round(float(tokens[i, 0] / tokens[i, 1]))),) * 2 for i, n in enumerate(names)}
+    return {n: stats[n].score(cfg.lam) for n in names}, shapes
+
+
+def output_distortion(layers: dict[str, LatteParams], batches: list, forward: Callable[[Any], Any],
+                      reduce: AllReduce) -> Callable[[list[str]], float]:
+    """``linear layers -> mean squared change of the model's raw outputs`` on ``batches`` (global)."""
+    set_modes(layers, [])
+    ref = [forward(b) for _, b in batches]
+
+    def distortion(linear: list[str]) -> float:
+        set_modes(layers, linear)
+        acc = torch.zeros(2, dtype=torch.float64)
+        for (_, b), r in zip(batches, ref):
+            e, c = _output_sq_error(forward(b), r)
+            acc += torch.tensor([e, float(c)], dtype=torch.float64)
+        acc = reduce(acc)
+        return float(acc[0] / acc[1]) if float(acc[1]) > 0 else float("nan")
+
+    return distortion
+
+
+def select_layers(layers: dict[str, LatteParams], sens: dict[str, float], k: int, cfg: LatteConfig,
+                  split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce) -> tuple[list, list]:
+    """The ``k`` layers to linearize (model order) and the selection's trace."""
+    if cfg.selection == "score":
+        chosen, trace = select_by_score(sens, k), []
+    else:
+        select = greedy_select if cfg.selection == "greedy" else backward_select
+        chosen, trace = select(list(layers), k, output_distortion(layers, split.greedy, forward, reduce))
+    return [n for n in layers if n in chosen], trace
+
+
+def build_report(layers: dict[str, LatteParams], cfg: LatteConfig, k: int, chosen: list[str], sens: dict,
+                 fits: dict, trace: list, split: CalibrationSplit, shapes: dict,
+                 heldout_distortion: Optional[float]) -> dict:
+    """The calibration report (the keys of spec section 10 plus our fit and selection details)."""
+    names = list(layers)
+    return {
+        "variant": cfg.variant,
+        "candidates": names,
+        "sensitivity": sens,
+        "linearized": chosen,
+        "params": {n: layers[n].scalars() for n in names},
+        "sigma_mean": {n: float(layers[n].sigma.mean()) for n in names},
+        "fit": fits,
+        "selection": {"method": cfg.selection, "k": k, "trace": trace, "heldout_distortion": heldout_distortion,
+                      "images": dict(split.counts), "greedy_images": len(split.greedy)},
+        "tokens": {n: shapes[n][0] for n in names},
+        "attention_gflops": {"exact": attention_gflops(shapes, layers, []),
+                             "linearized": attention_gflops(shapes, layers, chosen)},
+        "config": cfg.to_dict(),
+    }
+
+
+def _prepare(model: nn.Module, cfg: LatteConfig, batches: Sequence[Any], reduce: AllReduce) -> dict[str, LatteParams]:
+    cfg.validate()
+    layers = find_latte_layers(model)
+    if not layers:
+        raise ValueError("the model has no LATTE layers: swap the candidate attention modules in first")
+    if float(reduce(torch.tensor([float(len(batches))], dtype=torch.float64))[0]) == 0:
+        raise ValueError("empty calibration set: the calibration loader gave no batch; give num_images >= 1")
+    for layer in layers.values():
+        layer.variant = cfg.variant
+        layer.mode = "exact"
+    return layers
+
+
 @torch.no_grad()
 def calibrate_model(
     model: nn.Module,
@@ -214,7 +429,7 @@ def calibrate_model(
     shard: tuple[int, int] = (0, 1),
     positions: Optional[Sequence[int]] = None,
 ) -> dict:
-    """Records, fits, scores and selects; leaves ``model`` hybrid and returns the report.
+    """Splits, records, fits, scores, selects and reports; leaves ``model`` hybrid.
 
     Args:
         model: a model whose candidate attention modules hold :class:`LatteParams`.
@@ -223,167 +438,39 @@ def calibrate_model(
         cfg: the settings.
         all_reduce: sums a float64 tensor across ranks in place; identity when None.
         log: receives progress lines.
-        progress: wraps an iterable in a progress bar.
+        progress: wraps an iterable in a progress bar: ``progress(iterable, total, description)``.
         shard: ``(rank, world_size)``. Batches are assumed dealt to ranks round-robin (as
-            mmengine's ``DefaultSampler`` and detectron2's samplers do), so local batch ``i`` is
-            global batch ``i * world_size + rank``; the held-out split is made on global
-            positions and is the same whatever the number of processes.
+            mmengine's ``DefaultSampler`` and detectron2's ``TrainingSampler`` do), so local batch
+            ``i`` is global batch ``i * world_size + rank``.
         positions: the global position of each local batch, for loaders that shard otherwise
             (e.g. detectron2's ``InferenceSampler`` gives each rank a contiguous block).
 
     Returns:
-        ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config}``.
+        ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config, ...}``.
     """
-    cfg.validate()
     reduce = all_reduce or (lambda t: t)
-    layers = find_latte_layers(model)
-    if not layers:
-        raise ValueError("the model has no LATTE layers: swap the candidate attention modules in first")
-    count = torch.tensor([float(len(batches))], dtype=torch.float64)
-    if float(reduce(count)[0]) == 0:
-        raise ValueError("empty calibration set: the calibration loader gave no batch; give num_images >= 1")
-    k = num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
+    layers = _prepare(model, cfg, batches, reduce)
     was_training = model.training
     model.eval()
-    names = list(layers)
-    for layer in layers.values():
-        layer.variant = cfg.variant
-        layer.mode = "exact"
-
-    # held-out batches: never fitted on or selected on; the knobs are chosen on them
-    batches = list(batches)
     rank, world = shard
-    period = max(2, int(round(1.0 / float(cfg.holdout)))) if cfg.holdout > 0 else 0
-    if positions is None:
-        positions = [i * world + rank for i in range(len(batches))]
-    is_held = [period > 0 and int(g) % period == period - 1 for g in list(positions)[: len(batches)]]
-    fit_batches = [b for b, h in zip(batches, is_held) if not h]
-    held_batches = [b for b, h in zip(batches, is_held) if h]
-
-    def record(group: list[str], desc: str) -> tuple[dict, dict]:
-        recs = {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group}
-        held = {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed + 1) for n in group}
-        try:
-            for part, rec in ((fit_batches, recs), (held_batches, held)):
-                for n in group:
-                    layers[n].recorder = rec[n]
-                for batch in progress(part, len(part), desc if rec is recs else desc + " (held-out)"):
-                    forward(batch)
-        finally:
-            for n in group:
-                layers[n].recorder = None
-        return recs, held
-
-    # 1-2. record and fit
-    n_held_global = float(reduce(torch.tensor([float(len(held_batches))], dtype=torch.float64))[0])
-    refit_regs = tuple(float(r) for r in cfg.refit_reg)
-    if cfg.refit and n_held_global == 0 and len(refit_regs) > 1:
-        log(f"[latte] no held-out images to choose the refit strength: using {REFIT_FALLBACK}")
-        refit_regs = (REFIT_FALLBACK,)
-    fits = {}
-    groups = [[n] for n in names] if cfg.sequential else [names]
-    for group in groups:
-        recs, held = record(group, f"recording {group[0]}" if cfg.sequential else "recording")
-        for n in group:
-            res = fit_layer(layers[n], recs[n].items, cfg.steps, cfg.lr, cfg.fit_sigma, reduce, cfg.per_head,
-                            heldout=held[n].items, refit=cfg.refit, refit_regs=refit_regs)
-            fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
-                       "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
-                       "heldout": res.heldout}
-            held_txt = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e} (steps {res.steps})"
-            log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={float(layers[n].log_rho.exp().mean()):.4g} "
-                f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held_txt}")
-            if cfg.sequential:
-                layers[n].mode = "linear"
-
-    # 3. sensitivity: exact vs fully linear activations, streamed
-    stats = {n: SensitivityStats() for n in names}
-    shapes: dict[str, list[float]] = {n: [0.0, 0.0, 0.0] for n in names}
-    captured: dict[str, Tensor] = {}
-
-    def make_probe(n: str):
-        def probe(o: Tensor) -> None:
-            captured[n] = o.detach()
-        return probe
-
-    for n in names:
-        layers[n].probe = make_probe(n)
-    try:
-        for batch in progress(fit_batches, len(fit_batches), "scoring"):
-            set_modes(layers, [])
-            captured.clear()
-            forward(batch)
-            exact = dict(captured)
-            set_modes(layers, names)
-            captured.clear()
-            forward(batch)
-            for n in names:
-                if n not in exact or n not in captured:
-                    raise RuntimeError(f"layer {n} was not run by forward(); is it really used by the model?")
-                stats[n].update(exact[n], captured[n])
-                b, nq, _ = exact[n].shape
-                shapes[n][0] += nq * b
-                shapes[n][2] += b
-    finally:
-        for n in names:
-            layers[n].probe = None
-    sens = {}
-    for n in names:
-        stats[n].sums = reduce(stats[n].sums)
-        sens[n] = stats[n].score(cfg.lam)
-    # (N, M) per layer: self-attention here, so M = N; averaged over images.
-    tok = torch.tensor([[shapes[n][0], shapes[n][2]] for n in names], dtype=torch.float64)
-    tok = reduce(tok)
-    mean_shapes = {n: (int(round(float(tok[i, 0] / tok[i, 1]))),) * 2 for i, n in enumerate(names)}
-
-    # 4. select
-    trace: list[dict] = []
-
-    def distortion_on(sub: list) -> Callable[[list[str]], float]:
-        set_modes(layers, [])
-        ref = [forward(b) for b in sub]
-
-        def distortion(linear: list[str]) -> float:
-            set_modes(layers, linear)
-            acc = torch.zeros(2, dtype=torch.float64)
-            for b, r in zip(sub, ref):
-                e, c = _output_sq_error(forward(b), r)
-                acc[0] += e
-                acc[1] += c
-            acc = reduce(acc)
-            return float(acc[0] / acc[1]) if float(acc[1]) > 0 else float("nan")
-
-        return distortion
-
-    if cfg.selection == "score":
-        chosen = select_by_score(sens, k)
-    else:
-        select = greedy_select if cfg.selection == "greedy" else backward_select
-        chosen, trace = select(names, k, distortion_on(list(fit_batches[: max(1, cfg.greedy_images)])))
-    heldout_distortion = None
-    if n_held_global > 0:
-        heldout_distortion = distortion_on(held_batches)(list(chosen))
-    chosen = [n for n in names if n in chosen]
+    positions = list(positions) if positions is not None else [i * world + rank for i in range(len(batches))]
+    split = split_calibration(list(batches), positions[: len(batches)], cfg, reduce)
+    regs = _refit_regs(cfg, split, log)
+    fits: dict[str, dict] = {}
+    for group in ([[n] for n in layers] if cfg.sequential else [list(layers)]):
+        recs = record_layers(layers, group, split, cfg, forward, progress, reduce, shard,
+                             f"recording {group[0]}" if cfg.sequential else "recording")
+        fits.update(fit_layers(layers, group, recs, cfg, regs, log))
+        if cfg.sequential:
+            layers[group[0]].mode = "linear"
+    sens, shapes = score_sensitivity(layers, split.fit, forward, cfg, reduce, progress)
+    k = num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
+    chosen, trace = select_layers(layers, sens, k, cfg, split, forward, reduce)
+    held = output_distortion(layers, split.report, forward, reduce)(chosen) if split.counts["report"] else None
     set_modes(layers, chosen, cfg.mode)
     for layer in layers.values():
         layer.threshold.fill_(int(cfg.threshold))
     model.train(was_training)
-    for n in names:
+    for n in layers:
         log(f"[latte] {n}: sensitivity={sens[n]:.4e} -> {'LINEAR' if n in chosen else 'exact'}")
-    return {
-        "variant": cfg.variant,
-        "candidates": names,
-        "sensitivity": sens,
-        "linearized": chosen,
-        "params": {n: layers[n].scalars() for n in names},
-        "sigma_mean": {n: float(layers[n].sigma.mean()) for n in names},
-        "fit": fits,
-        "selection": {"method": cfg.selection, "k": k, "trace": trace, "heldout_distortion": heldout_distortion,
-                      "fit_batches": len(fit_batches), "heldout_batches": len(held_batches)},
-        "tokens": {n: mean_shapes[n][0] for n in names},
-        "attention_gflops": {
-            "exact": attention_gflops(mean_shapes, layers, []),
-            "linearized": attention_gflops(mean_shapes, layers, chosen),
-        },
-        "config": cfg.to_dict(),
-    }
+    return build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held)
