@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from .core.flow import LatteConfig, calibrate_model, match_candidates
+from .console import progress as console_progress
+from .core.flow import LatteConfig, calibrate_model, match_candidates, needs_calibration
 from .core.mha import swap_attention as swap_mha
 
 __all__ = ["swap_attention", "linearize", "default_forward"]
@@ -91,14 +92,6 @@ def default_forward(model: nn.Module) -> Callable[[Any], Any]:
     return forward
 
 
-def _rich_progress(it: Iterable, total: int, desc: str) -> Iterable:
-    try:
-        from rich.progress import track
-    except ImportError:  # rich is optional here
-        return it
-    return track(it, total=total, description=f"[latte] {desc}", transient=True)
-
-
 @torch.no_grad()
 def linearize(
     model: nn.Module,
@@ -125,21 +118,25 @@ def linearize(
         all_reduce: sums a float64 tensor across ranks in place (distributed runs).
         log: receives progress lines. progress: show a progress bar (``rich``).
         **settings: any other :class:`~latte_plugin.core.LatteConfig` field (``selection``,
-            ``steps``, ``refit``, ``holdout``, ...).
+            ``steps``, ``correction``, ``holdout``, ``calibrate='auto'|'always'|'never'``, ...).
 
     Returns:
-        ``(model, report)``, the report as written by ``tools/calibrate.py``.
+        ``(model, report)``, the report as written by ``tools/calibrate.py`` (``None`` when
+        ``calibrate='auto'`` found the model already calibrated).
 
     Raises:
         ValueError: unknown setting, a pattern matching nothing, an empty calibration set.
     """
     cfg = LatteConfig.from_dict(dict(candidates=list(candidates), ratio=ratio, variant=variant, **settings))
     swap_attention(model, cfg.candidates, cfg.variant)
+    if not needs_calibration(model, cfg.calibrate):  # calibrate='auto' on a calibrated model: keep its state
+        log("[latte] the model already holds calibrated LATTE state (calibrate='auto'): kept as is")
+        return model, None
     batches = list(itertools.islice(iter(calib_batches), cfg.num_images))
     if not batches:
         raise ValueError("empty calibration set: calib_batches yielded no batch; give at least one batch")
     report = calibrate_model(
         model, batches, forward or default_forward(model), cfg, all_reduce=all_reduce, log=log,
-        progress=_rich_progress if progress else (lambda it, total, desc: it),
+        progress=console_progress if progress else (lambda it, total, desc: it),
     )
     return model, report

@@ -114,8 +114,18 @@ def test_hook_calibrates_from_the_endless_train_loader(synthetic_data):
     layers = find_latte_layers(model)
     assert all(bool(l.calibrated) for l in layers.values())
     assert len(hook.report["linearized"]) == 4
-    with pytest.raises(ValueError, match="when must be"):
-        d2p.LinearizeHook({}, when="never")
+    # the same calibrate= vocabulary as everywhere: auto keeps calibrated state, never requires it
+    again = d2p.LinearizeHook(dict(candidates=["encoder.layers.*.self_attn"], num_images=6, steps=3))
+    trainer.register_hooks([again])
+    again.before_train()
+    assert again.report is None
+    fresh = instantiate(cfg.model)
+    never = d2p.LinearizeHook(dict(candidates=["encoder.layers.*.self_attn"], calibrate="never"))
+    never.trainer = SimpleTrainer(fresh, loader, torch.optim.SGD(fresh.parameters(), lr=0.0))
+    with pytest.raises(ValueError, match="calibrate='never'"):
+        never.before_train()
+    with pytest.raises(ValueError, match="calibrate must be"):
+        d2p.LinearizeHook({"calibrate": "sometimes"})
 
 
 def test_calibrate_tool_on_a_lazyconfig_and_map_parity_with_mmdet(synthetic_data, tmp_path):

@@ -4,9 +4,12 @@
 CFG is an mmdet config or a detectron2 LazyConfig (a Python file importing detectron2);
 the file decides which framework runs it.
 
-    python tools/calibrate.py CFG [--checkpoint CKPT] [--work-dir DIR] [--num-images 64]
-        [--ratio 0.67 | --num-linear K] [--variant latte] [--sequential] [--selection score]
-        [--eval] [--cfg-options k=v ...]
+    python tools/calibrate.py CFG [--checkpoint CKPT] [--work-dir DIR] [--eval] [--verbose]
+        [--cfg-options k=v ...] [--<any LatteConfig field> VALUE ...]
+
+Every ``LatteConfig`` field is a flag (``--num-images 32``, ``--ratio 0.83 | --num-linear K``,
+``--correction none|sigma|refit``, ``--selection``, ``--per-head/--no-per-head``, ...), built
+from the dataclass itself: ``--help`` lists them with their defaults.
 
 Writes ``WORK_DIR/latte_calibrated.pth`` (tensors and plain types only: it loads with
 ``torch.load(weights_only=True)``) and ``WORK_DIR/latte_report.json``. With ``--eval`` it
@@ -17,63 +20,91 @@ reproduces the linearized numbers without recalibrating.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-REPORT_NAME = "latte_report.json"
-CKPT_NAME = "latte_calibrated.pth"
+
+#: LatteConfig fields that are not flags here: this tool always calibrates.
+NOT_FLAGS = ("calibrate",)
+
+
+def field_help() -> dict[str, str]:
+    """``{field: help}`` from ``LatteConfig``'s docstring (its ``Attributes:`` section)."""
+    from latte_plugin.core.flow import LatteConfig
+
+    doc = (LatteConfig.__doc__ or "").split("Attributes:", 1)[-1]
+    out: dict[str, str] = {}
+    for line in doc.splitlines():
+        m = re.match(r"^\s{8}(\w+): (.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def field_choices() -> dict[str, tuple]:
+    from latte_plugin.core.calibration import CORRECTIONS
+    from latte_plugin.core.flow import SELECTIONS
+    from latte_plugin.core.kernels import VARIANTS
+
+    return {"variant": VARIANTS, "correction": CORRECTIONS, "selection": SELECTIONS, "mode": ("linear", "dynamic")}
+
+
+def add_latte_arguments(p: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per ``LatteConfig`` field: type, default and help from the dataclass.
+    Flags left out keep the config's value (``None`` here)."""
+    from latte_plugin.core.flow import LatteConfig
+
+    helps, choices = field_help(), field_choices()
+    g = p.add_argument_group("LATTE settings (LatteConfig fields; unset = the config's value)")
+    exclusive = g.add_mutually_exclusive_group()
+    for f in dataclasses.fields(LatteConfig):
+        if f.name in NOT_FLAGS:
+            continue
+        default = f.default
+        kw: dict = dict(dest=f.name, default=None, help=f"{helps.get(f.name, '')} (default: {default})")
+        if isinstance(default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        elif isinstance(default, (tuple, list)):
+            kw.update(nargs="+", type=type(default[0]) if default else str, metavar=f.name.upper())
+        else:
+            kw["type"] = int if default is None else type(default)
+            if f.name in choices:
+                kw["choices"] = choices[f.name]
+        target = exclusive if f.name in ("ratio", "num_linear") else g
+        target.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def latte_overrides(args: argparse.Namespace) -> dict:
+    """The ``LatteConfig`` fields given on the command line."""
+    from latte_plugin.core.flow import LatteConfig
+
+    o = {f.name: getattr(args, f.name) for f in dataclasses.fields(LatteConfig)
+         if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None}
+    if "ratio" in o:
+        o["num_linear"] = None
+    return o
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="LATTE training-free calibration")
     p.add_argument("config", help="an mmdet config (.py) that imports latte_plugin.mmdet, or a detectron2 LazyConfig")
     p.add_argument("--checkpoint", help="pretrained checkpoint (default: the config's load_from, or the init weights)")
+    p.add_argument("--allow-partial-load", action="store_true",
+                   help="accept a checkpoint whose keys do not match the model's (default: refuse it)")
     p.add_argument("--work-dir", help="where the calibrated checkpoint and report go")
-    p.add_argument("--num-images", type=int, help="calibration images from the train split (default 64)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--ratio", type=float, help="fraction of candidate layers made linear (default 0.67)")
-    g.add_argument("--num-linear", type=int, help="number of candidate layers made linear")
-    p.add_argument("--variant", choices=["qtvit", "jpn_only", "tte_only", "latte"])
-    p.add_argument("--sequential", action="store_true", help="sequential calibration (spec 6.3)")
-    p.add_argument("--selection", choices=["score", "greedy", "backward"])
-    p.add_argument("--refit", action="store_true", help="ridge refit of the output instead of sigma (beyond the paper)")
-    p.add_argument("--holdout", type=float, help="fraction of calibration images held out to choose the knobs")
-    p.add_argument("--no-sigma", action="store_true", help="do not fit the output rescaling sigma")
-    p.add_argument("--per-head", action="store_true", help="fit (alpha, rho) per head (beyond the paper)")
     p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
                    help="mmengine launcher for distributed calibration (e.g. under torchrun: pytorch)")
     p.add_argument("--eval", action="store_true", help="evaluate exact and linearized models with the config's evaluator")
+    p.add_argument("--verbose", action="store_true", help="print the frameworks' full logs (default: to a log file)")
     p.add_argument("--cfg-options", nargs="+", default=[],
                    help="key=value config overrides (mmengine style, or detectron2 dotted LazyConfig overrides)")
+    add_latte_arguments(p)
     return p.parse_args(argv)
-
-
-def _overrides(args: argparse.Namespace) -> dict:
-    o = {}
-    if args.num_images is not None:
-        o["num_images"] = args.num_images
-    if args.ratio is not None:
-        o["ratio"], o["num_linear"] = args.ratio, None
-    if args.num_linear is not None:
-        o["num_linear"] = args.num_linear
-    if args.variant:
-        o["variant"] = args.variant
-    if args.sequential:
-        o["sequential"] = True
-    if args.selection:
-        o["selection"] = args.selection
-    if args.no_sigma:
-        o["fit_sigma"] = False
-    if args.per_head:
-        o["per_head"] = True
-    if args.refit:
-        o["refit"] = True
-    if args.holdout is not None:
-        o["holdout"] = args.holdout
-    return o
 
 
 def format_table(rows: list[dict]) -> str:
@@ -86,26 +117,37 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    t0 = time.time()
+def run(args: argparse.Namespace) -> dict:
+    """Calibrates (and evaluates) with the framework the config file belongs to."""
     from latte_plugin.configs import config_framework
 
+    common = dict(checkpoint=args.checkpoint, work_dir=args.work_dir, overrides=latte_overrides(args),
+                  evaluate=args.eval, allow_partial_load=args.allow_partial_load)
     if config_framework(args.config) == "detectron2":
         try:
             from latte_plugin.detectron2.tools import run_calibration_d2
-        except ImportError as e:
+        except ModuleNotFoundError as e:
             raise SystemExit(f"{args.config} is a detectron2 LazyConfig but detectron2 is not importable ({e}); "
-                             "install it from its official source (README, 'Detectron2')") from e
+                             "install it from its official source (README, 'Using it from Detectron2')") from e
+        return run_calibration_d2(args.config, opts=args.cfg_options, **common)
+    from latte_plugin.mmdet.tools import run_calibration
 
-        report = run_calibration_d2(args.config, checkpoint=args.checkpoint, work_dir=args.work_dir,
-                                    overrides=_overrides(args), evaluate=args.eval, opts=args.cfg_options)
-    else:
-        from latte_plugin.mmdet.tools import run_calibration
+    return run_calibration(args.config, cfg_options=args.cfg_options, launcher=args.launcher, **common)
 
-        report = run_calibration(args.config, checkpoint=args.checkpoint, work_dir=args.work_dir,
-                                 overrides=_overrides(args), evaluate=args.eval, cfg_options=args.cfg_options,
-                                 launcher=args.launcher)
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.time()
+    from latte_plugin.console import quiet, say
+    from latte_plugin.core.io import CheckpointError
+
+    args.work_dir = args.work_dir or os.path.join("work_dirs", os.path.splitext(os.path.basename(args.config))[0])
+    log_path = os.path.join(args.work_dir, "calibrate.log")
+    try:
+        with quiet(log_path, enabled=not args.verbose):
+            report = run(args)
+    except CheckpointError as e:  # one line that names the file and says what to do
+        raise SystemExit(f"error: {e}") from None
     if args.eval:
         m, g = report["metrics"], report["attention_gflops"]
         n_lin = f"{len(report['linearized'])}/{len(report['candidates'])}"
@@ -114,9 +156,9 @@ def main(argv=None) -> dict:
             dict(variant=report["variant"], linear=n_lin, kept=100.0 * report["retained"], gflops=g["linearized"],
                  **m["linearized"]),
         ]
-        print(format_table(rows))
-    print(f"report: {report['paths']['report']}\ncheckpoint: {report['paths']['checkpoint']}\n"
-          f"({time.time() - t0:.1f} s)")
+        say(format_table(rows))
+    say(f"report: {report['paths']['report']}\ncheckpoint: {report['paths']['checkpoint']}\n"
+        + ("" if args.verbose else f"log: {log_path}\n") + f"({time.time() - t0:.1f} s)")
     return report
 
 

@@ -28,6 +28,8 @@ __all__ = [
     "set_modes",
     "calibrate_model",
     "attention_gflops",
+    "needs_calibration",
+    "CALIBRATE",
 ]
 
 SELECTIONS = ("score", "greedy", "backward")
@@ -474,3 +476,23 @@ def calibrate_model(
     for n in layers:
         log(f"[latte] {n}: sensitivity={sens[n]:.4e} -> {'LINEAR' if n in chosen else 'exact'}")
     return build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held)
+
+
+def needs_calibration(model: nn.Module, calibrate: str) -> bool:
+    """Whether a model with LATTE layers should calibrate now, under ``calibrate`` (:data:`CALIBRATE`).
+
+    Raises:
+        ValueError: the layers are partly calibrated (a checkpoint made for other candidates),
+            or ``calibrate='never'`` and they are not calibrated.
+    """
+    if calibrate not in CALIBRATE:
+        raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {calibrate!r}")
+    flags = [bool(layer.calibrated) for layer in find_latte_layers(model).values()]
+    if flags and any(flags) and not all(flags):
+        raise ValueError("the checkpoint holds LATTE state for some candidate layers but not others: it was "
+                         "calibrated with other candidates; re-run tools/calibrate.py for this config")
+    calibrated = bool(flags) and all(flags)
+    if calibrate == "never" and not calibrated:
+        raise ValueError("calibrate='never' but the model holds no calibrated LATTE state: load a checkpoint "
+                         "written by tools/calibrate.py, or set calibrate='auto'")
+    return calibrate == "always" or not calibrated

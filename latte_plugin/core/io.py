@@ -1,4 +1,5 @@
-"""Atomic writes: a crash mid-write never leaves a half-written report or checkpoint."""
+"""Checkpoints and reports: atomic writes (a crash mid-write never leaves a half-written file),
+the one place their names are defined, and the checks that a checkpoint fits a model."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,62 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_write_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint"]
+__all__ = ["atomic_write_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint",
+           "REPORT_NAME", "CKPT_NAME", "CheckpointError", "check_readable", "check_keys", "key_mismatch",
+           "ALLOWED_MISMATCH"]
+
+#: File names the tools write into a work dir.
+REPORT_NAME = "latte_report.json"
+CKPT_NAME = "latte_calibrated.pth"
+#: Keys that may be absent from a checkpoint or present without a model counterpart: LATTE's
+#: own buffers (a plain checkpoint into a LATTE model, or a calibrated one into an exact model).
+ALLOWED_MISMATCH = (".latte.",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the model (the message says which and why)."""
+
+
+def check_readable(path: str) -> None:
+    """Raises :class:`CheckpointError` naming ``path`` unless ``torch.load(weights_only=True)`` reads it."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint file; check the path")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any failure means the same to the user
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a readable checkpoint ({reason}); pass a .pth file written by "
+                              "torch.save (mmdet, detectron2 or tools/calibrate.py)") from None
+
+
+def _state_of(checkpoint: Any) -> dict:
+    if isinstance(checkpoint, dict):
+        for key in ("state_dict", "model"):
+            if isinstance(checkpoint.get(key), dict):
+                return checkpoint[key]
+    return checkpoint if isinstance(checkpoint, dict) else {}
+
+
+def key_mismatch(model_keys: list[str], ckpt_keys: list[str]) -> tuple[list[str], list[str]]:
+    """``(missing, unexpected)`` keys beyond :data:`ALLOWED_MISMATCH` (a ``module.`` prefix ignored)."""
+    ckpt = {k[len("module."):] if k.startswith("module.") else k for k in ckpt_keys}
+    ours = set(model_keys)
+    allowed = lambda k: any(a in k for a in ALLOWED_MISMATCH)  # noqa: E731
+    return (sorted(k for k in ours - ckpt if not allowed(k)), sorted(k for k in ckpt - ours if not allowed(k)))
+
+
+def check_keys(model: torch.nn.Module, checkpoint: Any, path: str, hint: str = "allow_partial_load=True") -> None:
+    """Raises :class:`CheckpointError` when the checkpoint's keys do not match the model's
+    (beyond LATTE's buffers): it comes from another model or config."""
+    missing, unexpected = key_mismatch(list(model.state_dict()), list(_state_of(checkpoint)))
+    if missing or unexpected:
+        raise CheckpointError(mismatch_message(path, missing, unexpected, hint))
+
+
+def mismatch_message(path: str, missing: list[str], unexpected: list[str], hint: str) -> str:
+    return (f"{path} does not fit this model: {len(missing)} model key(s) missing from it (e.g. "
+            f"{', '.join(missing[:3]) or '-'}) and {len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3]) or '-'}); "
+            f"it is a checkpoint of another model or config; pass the right one, or set {hint} to load it partially")
 
 
 def _atomic(path: str, write) -> None:

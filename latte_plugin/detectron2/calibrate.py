@@ -17,6 +17,7 @@ from torch import nn
 
 from detectron2.utils import comm
 
+from ..console import progress
 from ..core.flow import LatteConfig, calibrate_model
 from ..linearize import swap_attention
 
@@ -51,14 +52,6 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _progress(it: Iterable, total: int, desc: str) -> Iterable:
-    if not comm.is_main_process():
-        return it
-    from tqdm import tqdm
-
-    return tqdm(it, total=total, desc=f"[latte] {desc}", leave=False)
-
-
 @torch.no_grad()
 def calibrate_d2_model(model: nn.Module, loader: Iterable, cfg: LatteConfig,
                        log: Optional[logging.Logger] = None) -> dict:
@@ -83,7 +76,7 @@ def calibrate_d2_model(model: nn.Module, loader: Iterable, cfg: LatteConfig,
     positions = list(local)[: len(batches)] if local is not None and getattr(loader, "batch_size", 0) == 1 else None
     report = calibrate_model(
         model, batches, model.tensor_forward, cfg, all_reduce=_all_reduce_sum, log=log.info,
-        progress=_progress, shard=(comm.get_rank(), comm.get_world_size()), positions=positions,
+        progress=progress, shard=(comm.get_rank(), comm.get_world_size()), positions=positions,
     )
     log.info(f"[latte] linearized {len(report['linearized'])}/{len(report['candidates'])}: {report['linearized']}")
     return report

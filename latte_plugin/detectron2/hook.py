@@ -5,37 +5,31 @@ from typing import Any, Optional
 
 from detectron2.engine import HookBase
 
-from ..core.flow import LatteConfig
-from .calibrate import calibrate_d2_model
+from ..core.flow import LatteConfig, needs_calibration
+from ..linearize import swap_attention
+from .calibrate import calibrate_d2_model, unwrap
 
 __all__ = ["LinearizeHook"]
 
 
 class LinearizeHook(HookBase):
-    """Calibrates LATTE before training / evaluation from the trainer's train loader.
+    """Calibrates LATTE before training from the trainer's train loader.
 
     Args:
-        latte: ``LatteConfig`` fields (or a ``LatteConfig``).
+        latte: ``LatteConfig`` fields (or a ``LatteConfig``); ``calibrate``: ``auto`` (only if
+            the model holds no calibrated LATTE state), ``always`` or ``never`` (an
+            uncalibrated model is an error), as everywhere else.
         loader: a built loader to calibrate on; default ``trainer.data_loader`` (the train split).
-        when: ``before_train`` (default) or ``after_train``.
     """
 
-    def __init__(self, latte: Any = None, loader: Optional[Any] = None, when: str = "before_train") -> None:
-        if when not in ("before_train", "after_train"):
-            raise ValueError(f"when must be 'before_train' or 'after_train', got {when!r}")
+    def __init__(self, latte: Any = None, loader: Optional[Any] = None) -> None:
         self.cfg = latte if isinstance(latte, LatteConfig) else LatteConfig.from_dict(dict(latte or {}))
         self.loader = loader
-        self.when = when
         self.report: Optional[dict] = None
 
-    def _run(self) -> None:
-        loader = self.loader if self.loader is not None else self.trainer.data_loader
-        self.report = calibrate_d2_model(self.trainer.model, loader, self.cfg)
-
     def before_train(self) -> None:
-        if self.when == "before_train":
-            self._run()
-
-    def after_train(self) -> None:
-        if self.when == "after_train":
-            self._run()
+        model = unwrap(self.trainer.model)
+        swap_attention(model, self.cfg.candidates, self.cfg.variant)
+        if needs_calibration(model, self.cfg.calibrate):
+            loader = self.loader if self.loader is not None else self.trainer.data_loader
+            self.report = calibrate_d2_model(self.trainer.model, loader, self.cfg)

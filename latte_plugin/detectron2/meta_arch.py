@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -25,12 +26,15 @@ from torch import nn
 from detectron2.modeling import META_ARCH_REGISTRY
 from detectron2.structures import Boxes, Instances
 
-from ..core.flow import LatteConfig, find_latte_layers
+from ..core.flow import LatteConfig, find_latte_layers, needs_calibration
+from ..core.io import CheckpointError, key_mismatch, mismatch_message
 from ..linearize import swap_attention
 
 __all__ = ["MMDetDetector", "LatteDETR", "LatteRTDETR"]
 
 logger = logging.getLogger("detectron2")
+#: The repository's configs/ (default configs resolve against it, not the working directory).
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def _build_mmdet_model(mmdet_config: str, overrides: Optional[dict] = None) -> nn.Module:
@@ -61,12 +65,15 @@ class MMDetDetector(nn.Module):
     Args:
         mmdet_config: path of the mmdet config whose ``model`` is built (the same config and
             checkpoint as on the mmdet side).
-        latte: LATTE settings (``LatteConfig`` fields plus ``calibrate``: ``auto`` calibrates
-            uncalibrated LATTE layers at the first evaluation forward, ``never`` does not).
-            ``None``: no LATTE.
+        latte: LATTE settings (``LatteConfig`` fields; ``calibrate``: ``auto`` calibrates
+            uncalibrated LATTE layers at the first evaluation forward, ``always`` calibrates
+            there even if a checkpoint gave them state, ``never`` requires a calibrated
+            checkpoint). ``None``: no LATTE.
         calibration_loader: a LazyCall'd detectron2 loader over the train split (or a built
-            one); used only by ``calibrate='auto'``.
+            one); used when the model calibrates itself.
         model_overrides: keys merged into the mmdet model config.
+        allow_partial_load: accept a checkpoint whose keys do not match the model's beyond
+            LATTE's buffers (by default ``load_state_dict`` refuses it with one error line).
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class MMDetDetector(nn.Module):
         latte: Optional[dict] = None,
         calibration_loader: Any = None,
         model_overrides: Optional[dict] = None,
+        allow_partial_load: bool = False,
     ) -> None:
         super().__init__()
         det = _build_mmdet_model(mmdet_config, model_overrides)
@@ -88,14 +96,13 @@ class MMDetDetector(nn.Module):
                 latte = OmegaConf.to_container(latte, resolve=True)
         except ImportError:
             pass
-        latte = dict(latte or {})
-        self.latte_calibrate = latte.pop("calibrate", "auto")
-        if self.latte_calibrate not in ("auto", "never"):
-            raise ValueError(f"latte.calibrate must be 'auto' or 'never', got {self.latte_calibrate!r}")
-        self.latte_cfg = LatteConfig.from_dict(latte) if latte else None
+        self.latte_cfg = LatteConfig.from_dict(dict(latte)) if latte else None
         self._calibration_loader = calibration_loader
+        self._calibrated_here = False
         if self.latte_cfg is not None:
             swap_attention(self, self.latte_cfg.candidates, self.latte_cfg.variant)
+        self.allow_partial_load = bool(allow_partial_load)
+        self.register_load_state_dict_post_hook(_refuse_mismatched_keys)
 
     def train(self, mode: bool = True) -> "MMDetDetector":
         super().train(mode)
@@ -154,10 +161,9 @@ class MMDetDetector(nn.Module):
                 for p, d in zip(preds, batched_inputs)]
 
     def _maybe_calibrate(self) -> None:
-        if self.latte_cfg is None or self.latte_calibrate != "auto":
+        if self.latte_cfg is None or self._calibrated_here or not find_latte_layers(self):
             return
-        layers = find_latte_layers(self)
-        if not layers or all(bool(l.calibrated) for l in layers.values()):
+        if not needs_calibration(self, self.latte_cfg.calibrate):
             return
         if self._calibration_loader is None:
             raise ValueError("LATTE layers are not calibrated and the model has no calibration_loader: give "
@@ -169,10 +175,23 @@ class MMDetDetector(nn.Module):
             from detectron2.config import instantiate
 
             loader = instantiate(loader)
-        logger.info("[latte] LATTE layers are not calibrated: calibrating on the train split now")
+        logger.info("[latte] calibrating the LATTE layers on the train split now")
         was_training = self.training
         calibrate_d2_model(self, loader, self.latte_cfg)
+        self._calibrated_here = True
         self.train(was_training)
+
+
+def _refuse_mismatched_keys(module: "MMDetDetector", incompatible) -> None:
+    """``load_state_dict`` post-hook: a checkpoint of another model is an error, not a warning."""
+    if module.allow_partial_load:
+        return
+    missing, unexpected = key_mismatch(list(module.state_dict()),
+                                       [k for k in incompatible.unexpected_keys] +
+                                       [k for k in module.state_dict() if k not in set(incompatible.missing_keys)])
+    if missing or unexpected:
+        raise CheckpointError(mismatch_message("the checkpoint", missing, unexpected,
+                                               "model.allow_partial_load=True"))
 
 
 @META_ARCH_REGISTRY.register()
@@ -188,5 +207,6 @@ class LatteRTDETR(MMDetDetector):
     """RT-DETR (HF ``RTDetrForObjectDetection`` through ``HFRTDETR``); default: the plugin's
     COCO ``rtdetr_r50vd`` mmdet config."""
 
-    def __init__(self, mmdet_config: str = "configs/mmdet/rtdetr_r50vd_latte_coco.py", **kwargs) -> None:
+    def __init__(self, mmdet_config: str = os.path.join(CONFIGS, "mmdet", "rtdetr_r50vd_latte_coco.py"),
+                 **kwargs) -> None:
         super().__init__(mmdet_config, **kwargs)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..core.flow import LatteConfig, find_latte_layers, set_modes
-from ..core.io import atomic_write_json, save_calibrated_checkpoint
+from ..core.io import CKPT_NAME, REPORT_NAME, atomic_write_json, check_readable, save_calibrated_checkpoint
 from ..viz import plot_sensitivity
 from .calibrate import calibrate_d2_model, unwrap
 
@@ -44,6 +44,7 @@ def run_calibration_d2(
     overrides: Optional[dict] = None,
     evaluate: bool = False,
     opts: Sequence[str] = (),
+    allow_partial_load: bool = False,
 ) -> dict:
     """Builds the LazyConfig's model, loads the checkpoint, calibrates on ``model.calibration_loader``
     (the train split), saves, and optionally evaluates exact and linearized with ``COCOEvaluator``."""
@@ -58,10 +59,12 @@ def run_calibration_d2(
     latte.update(overrides or {})
     latte_cfg = LatteConfig.from_dict(latte)
     cfg.model.latte = dict(latte_cfg.to_dict(), calibrate="never")
+    cfg.model.allow_partial_load = bool(allow_partial_load)
     model = instantiate(cfg.model)
     model.to(cfg.train.get("device", "cpu"))
     ckpt = checkpoint or cfg.train.get("init_checkpoint") or ""
     if ckpt:
+        check_readable(ckpt)
         DetectionCheckpointer(model).load(ckpt)
     model.eval()
     loader = model._calibration_loader
@@ -71,8 +74,8 @@ def run_calibration_d2(
 
     work_dir = work_dir or os.path.join("work_dirs", os.path.splitext(os.path.basename(config))[0])
     os.makedirs(work_dir, exist_ok=True)
-    ckpt_path = os.path.join(work_dir, "latte_calibrated.pth")
-    report_path = os.path.join(work_dir, "latte_report.json")
+    ckpt_path = os.path.join(work_dir, CKPT_NAME)
+    report_path = os.path.join(work_dir, REPORT_NAME)
     save_calibrated_checkpoint(unwrap(model), report, ckpt_path)
     if evaluate:
         layers = find_latte_layers(model)

@@ -16,9 +16,9 @@ import torch
 from mmengine.dist import all_reduce, get_rank, get_world_size
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
-from mmengine.utils import ProgressBar
 from torch import nn
 
+from ..console import progress
 from ..core.flow import LatteConfig, calibrate_model, find_latte_layers
 from ..linearize import swap_attention
 
@@ -108,18 +108,6 @@ def detector_forward(model: nn.Module):
     return forward
 
 
-def _progress(it: Iterable, total: int, desc: str):
-    if get_rank() != 0:
-        yield from it
-        return
-    print_log(f"[latte] {desc}: {total} batch(es)", logger="current")
-    bar = ProgressBar(total)
-    for x in it:
-        yield x
-        bar.update()
-    print()
-
-
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if get_world_size() > 1:
         all_reduce(t, op="sum")
@@ -160,18 +148,8 @@ def calibrate_detector(
         cfg,
         all_reduce=_all_reduce_sum,
         log=lambda s: print_log(s, logger=logger),
-        progress=_progress,
+        progress=progress,
         shard=(get_rank(), get_world_size()),
     )
     print_log("[latte] per-layer calibration:\n" + format_layer_table(report), logger=logger)
     return report
-
-
-def latte_layers_calibrated(model: nn.Module) -> Optional[bool]:
-    """True if every LATTE layer holds calibrated state, False if none does, None if mixed."""
-    flags = [bool(l.calibrated) for l in find_latte_layers(unwrap(model)).values()]
-    if not flags:
-        return False
-    if all(flags):
-        return True
-    return None if any(flags) else False

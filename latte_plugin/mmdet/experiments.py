@@ -37,7 +37,7 @@ class Row:
 #: package defaults: a held-out quarter of the calibration images chooses the knobs, output
 #: refit, greedy global selection) with each output correction, each selection method at
 #: 67% and 83% linear, and sequential calibration.
-PAPER = {"selection": "score", "holdout": 0.0, "fit_sigma": True, "refit": False}
+PAPER = {"selection": "score", "holdout": 0.0, "correction": "sigma"}
 ROWS = [
     Row("exact", {}, "exact"),
     Row("uniform", {}, "uniform"),
@@ -45,9 +45,9 @@ ROWS = [
     Row("jpn_only", {"variant": "jpn_only", **PAPER}),
     Row("tte_only", {"variant": "tte_only", **PAPER}),
     Row("latte", {"variant": "latte", **PAPER}),
-    Row("ours:none", {"fit_sigma": False, "refit": False}),
-    Row("ours:sigma", {"fit_sigma": True, "refit": False}),
-    Row("ours:refit", {"refit": True}),
+    Row("ours:none", {"correction": "none"}),
+    Row("ours:sigma", {"correction": "sigma"}),
+    Row("ours:refit", {"correction": "refit"}),
     Row("ours:score", {"selection": "score"}),
     Row("ours:greedy", {"selection": "greedy"}),
     Row("ours:backward", {"selection": "backward"}),

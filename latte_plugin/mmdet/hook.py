@@ -9,10 +9,9 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmdet.registry import HOOKS
 
-from ..core.flow import LatteConfig, find_latte_layers
-from ..core.io import atomic_write_json
-from .calibrate import (build_calibration_loader, calibrate_detector, calibration_batches,
-                        latte_layers_calibrated, linearize_model, unwrap)
+from ..core.flow import LatteConfig, find_latte_layers, needs_calibration
+from ..core.io import REPORT_NAME, atomic_write_json, check_keys, check_readable
+from .calibrate import build_calibration_loader, calibrate_detector, calibration_batches, linearize_model, unwrap
 
 __all__ = ["LinearizeHook"]
 
@@ -29,14 +28,17 @@ class LinearizeHook(Hook):
       calibrated state yet, calibrates on ``num_images`` train images, all-reduces across
       ranks, selects the layers, and writes ``latte_report.json`` to the work dir.
 
+    It also checks the checkpoint the Runner loads (``load_from``): an unreadable file, or
+    one whose keys do not match the model's beyond the LATTE buffers, stops the run with one
+    line (``allow_partial_load=True`` accepts a partial load).
+
     Args:
         candidates: module-name patterns of the attention modules that may go linear.
-        calibrate: ``'auto'`` (only if the checkpoint has no LATTE state), ``'always'``, or
-            ``'never'`` (error if the checkpoint has none).
         calib_pipeline: ``'test'`` (train images through the test pipeline) or ``'train'``.
         calib_batch_size: images per calibration batch.
-        **latte: the other :class:`~latte_plugin.core.flow.LatteConfig` fields
-            (``ratio``, ``num_linear``, ``variant``, ``num_images``, ``sequential``, ...).
+        allow_partial_load: accept a checkpoint whose keys do not match the model's.
+        **latte: the other :class:`~latte_plugin.core.flow.LatteConfig` fields (``ratio``,
+            ``num_linear``, ``variant``, ``num_images``, ``calibrate='auto'|'always'|'never'``, ...).
     """
 
     priority = "ABOVE_NORMAL"
@@ -44,28 +46,40 @@ class LinearizeHook(Hook):
     def __init__(
         self,
         candidates: Sequence[str] = ("encoder.layers.*.self_attn",),
-        calibrate: str = "auto",
         calib_pipeline: str = "test",
         calib_batch_size: int = 1,
+        allow_partial_load: bool = False,
         **latte,
     ) -> None:
-        if calibrate not in ("auto", "always", "never"):
-            raise ValueError(f"calibrate must be 'auto', 'always' or 'never', got {calibrate!r}")
         if calib_pipeline not in ("test", "train"):
             raise ValueError(f"calib_pipeline must be 'test' or 'train', got {calib_pipeline!r}")
         self.latte_cfg = LatteConfig.from_dict(dict(candidates=list(candidates), **latte))
-        self.calibrate = calibrate
+        self.allow_partial_load = bool(allow_partial_load)
         self.calib_pipeline = calib_pipeline
         self.calib_batch_size = int(calib_batch_size)
         self.report: Optional[dict] = None
         self._pending = False
 
+    @property
+    def calibrate(self) -> str:
+        return self.latte_cfg.calibrate
+
+    @calibrate.setter
+    def calibrate(self, value: str) -> None:
+        self.latte_cfg.calibrate = value
+        self.latte_cfg.validate()
+
     def before_run(self, runner) -> None:
         names = linearize_model(runner.model, self.latte_cfg)
         print_log(f"[latte] {len(names)} candidate attention layer(s): {', '.join(names)}", logger="current")
+        if getattr(runner, "_load_from", None):
+            check_readable(runner._load_from)
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
-        """Refuses a calibrated checkpoint made for other candidate layers (another model or config)."""
+        """Refuses a checkpoint that does not fit the model, or a calibrated one made for other
+        candidate layers (another model or config)."""
+        if not self.allow_partial_load:
+            check_keys(unwrap(runner.model), checkpoint, getattr(runner, "_load_from", None) or "the checkpoint")
         meta = (checkpoint.get("meta") or {}).get("latte") if isinstance(checkpoint, dict) else None
         if not meta:
             return
@@ -92,21 +106,10 @@ class LinearizeHook(Hook):
 
     def _ensure_calibrated(self, runner) -> None:
         linearize_model(runner.model, self.latte_cfg)
-        state = latte_layers_calibrated(runner.model)
-        if state is None:
-            raise ValueError(
-                "the checkpoint holds LATTE state for some candidate layers but not others; "
-                "it was calibrated with other candidates; re-run tools/calibrate.py for this config"
-            )
-        if state and self.calibrate != "always":
+        if needs_calibration(unwrap(runner.model), self.calibrate):
+            self.run_calibration(runner)
+        else:
             print_log("[latte] using the calibrated LATTE state loaded from the checkpoint", logger="current")
-            return
-        if not state and self.calibrate == "never":
-            raise ValueError(
-                "calibrate='never' but the loaded checkpoint has no LATTE state; pass a checkpoint "
-                "written by tools/calibrate.py, or set LinearizeHook(calibrate='auto')"
-            )
-        self.run_calibration(runner)
 
     def run_calibration(self, runner) -> dict:
         """Calibrates now (the plain functions do the work) and writes the report."""
@@ -116,7 +119,7 @@ class LinearizeHook(Hook):
         batches = calibration_batches(loader, self.latte_cfg.num_images, self.calib_batch_size)
         self.report = calibrate_detector(runner.model, batches, self.latte_cfg)
         if is_main_process():
-            atomic_write_json(self.report, os.path.join(runner.work_dir, "latte_report.json"))
+            atomic_write_json(self.report, os.path.join(runner.work_dir, REPORT_NAME))
         return self.report
 
     @staticmethod

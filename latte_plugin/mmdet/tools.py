@@ -9,7 +9,7 @@ import torch
 
 from ..core.flow import find_latte_layers, set_modes
 from ..core import io as core_io
-from ..core.io import atomic_write_json
+from ..core.io import CKPT_NAME, REPORT_NAME, atomic_write_json, check_readable
 from ..viz import plot_sensitivity
 from .calibrate import unwrap
 
@@ -46,6 +46,7 @@ def run_calibration(
     evaluate: bool = False,
     cfg_options: Sequence[str] = (),
     launcher: str = "none",
+    allow_partial_load: bool = False,
 ) -> dict:
     """Builds the config's Runner, calibrates through its :class:`LinearizeHook`, saves, and evaluates.
 
@@ -73,11 +74,13 @@ def run_calibration(
     hook_cfg = copy.deepcopy(hooks[idx[0]])
     hook_cfg.update(overrides or {})
     hook_cfg["calibrate"] = "always"
+    hook_cfg["allow_partial_load"] = bool(allow_partial_load)
     hooks[idx[0]] = hook_cfg
     cfg.custom_hooks = hooks
     cfg.work_dir = work_dir or cfg.get("work_dir") or os.path.join(
         "work_dirs", os.path.splitext(os.path.basename(config))[0])
     if checkpoint:
+        check_readable(checkpoint)
         cfg.load_from = checkpoint
     if launcher == "pytorch" and not torch.cuda.is_available():
         # mmengine's init_dist calls torch.cuda.set_device; on CPU-only machines start gloo from
@@ -95,8 +98,8 @@ def run_calibration(
     report = hook.run_calibration(runner)
     hook.calibrate = "never"  # later test() calls reuse this state
 
-    ckpt_path = os.path.join(runner.work_dir, "latte_calibrated.pth")
-    report_path = os.path.join(runner.work_dir, "latte_report.json")
+    ckpt_path = os.path.join(runner.work_dir, CKPT_NAME)
+    report_path = os.path.join(runner.work_dir, REPORT_NAME)
     from mmengine.dist import is_main_process
 
     if is_main_process():  # every rank holds the same state; one writes it
