@@ -16,7 +16,8 @@ import json
 import os
 import sys
 import time
-import tracemalloc
+
+from typing import Optional
 
 import torch
 
@@ -43,19 +44,18 @@ def best_time(fn, reps: int, min_time: float = 0.05) -> float:
     return best
 
 
-def peak_mem(fn) -> int:
-    """Peak extra bytes the call allocates (CPU, via torch's allocator statistics when available)."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    tracemalloc.start()
+def peak_mem(fn) -> Optional[int]:
+    """Peak extra bytes the call allocates on a CUDA device (the caching allocator's statistics).
+
+    On CPU there is no allocator statistic that sees torch's tensors (``tracemalloc`` does
+    not), so nothing is reported (``None``) rather than a wrong figure."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     fn()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return peak
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def main(argv=None) -> list[dict]:

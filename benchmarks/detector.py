@@ -37,7 +37,8 @@ def main(argv=None) -> list[dict]:
     from latte_plugin.core.flops import layer_flops
     from latte_plugin.core.flow import LatteConfig, find_latte_layers, set_modes
     from latte_plugin.mmdet import linearize_model
-    from latte_plugin.mmdet.experiments import encoder_latency
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from main_job_rows import encoder_latency
 
     register_all_modules()
     cfg = Config.fromfile(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", "detr",

@@ -130,7 +130,7 @@ def test_never_calibrate_without_latte_state_is_a_clear_error(synthetic_data, tm
     from mmengine.runner import Runner
 
     runner = Runner.from_cfg(tiny_cfg(synthetic_data, str(tmp_path), calibrate="never"))
-    with pytest.raises(ValueError, match="no LATTE state"):
+    with pytest.raises(ValueError, match="no calibrated LATTE state"):
         runner.test()
 
 
@@ -293,3 +293,56 @@ def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(sy
         for key in ("alpha", "delta_q"):
             assert two["params"][n][key] == pytest.approx(one["params"][n][key], rel=1e-5, abs=1e-5)
         assert two["sigma_mean"][n] == pytest.approx(one["sigma_mean"][n], rel=1e-5, abs=1e-5)
+
+
+def _calibrate_tool():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import calibrate
+
+    return calibrate
+
+
+def test_a_checkpoint_of_another_model_is_refused(synthetic_data, tmp_path):
+    """The issue's case: the RT-DETR checkpoint given to the DETR config stops the run with one
+    line (counts and examples of the keys), before anything is calibrated or written."""
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "w"), num_images=2, steps=1)
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    rtdetr = os.path.join(ROOT, "checkpoints", "rtdetr_r18_synthetic.pth")
+    with pytest.raises(SystemExit, match=r"rtdetr_r18_synthetic.pth does not fit this model: \d+ model key\(s\) missing"):
+        _calibrate_tool().main([str(cfg_path), "--checkpoint", rtdetr, "--work-dir", str(tmp_path / "w")])
+    assert not os.path.exists(tmp_path / "w" / "latte_calibrated.pth")
+    # the explicit option accepts the partial load
+    report = _calibrate_tool().main([str(cfg_path), "--checkpoint", rtdetr, "--work-dir", str(tmp_path / "w"),
+                                     "--allow-partial-load"])
+    assert os.path.exists(report["paths"]["checkpoint"])
+
+
+@pytest.mark.parametrize("kind", ["truncated", "text", "missing"])
+def test_an_unreadable_checkpoint_is_one_line_naming_the_file(synthetic_data, tmp_path, kind):
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "w"))
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    bad = tmp_path / f"{kind}.pth"
+    if kind == "truncated":
+        bad.write_bytes(open(os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth"), "rb").read()[:100_000])
+    elif kind == "text":
+        bad.write_text("not a checkpoint\n")
+    with pytest.raises(SystemExit) as exc:
+        _calibrate_tool().main([str(cfg_path), "--checkpoint", str(bad), "--work-dir", str(tmp_path / "w")])
+    msg = str(exc.value)
+    assert str(bad) in msg and "\n" not in msg
+    assert ("no such checkpoint file" if kind == "missing" else "is not a readable checkpoint") in msg
+
+
+def test_the_hook_refuses_a_mismatched_checkpoint_in_mmdets_own_test_script(synthetic_data, tmp_path):
+    """mmdet's Runner (as tools/test.py uses it) with load_from = another model's checkpoint."""
+    from mmengine.runner import Runner
+
+    from latte_plugin.core.io import CheckpointError
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path))
+    cfg.load_from = os.path.join(ROOT, "checkpoints", "rtdetr_r18_synthetic.pth")
+    runner = Runner.from_cfg(cfg)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        runner.test()

@@ -5,11 +5,12 @@
 # mmdet's own tools/test.py.
 #   bash tools/demo.sh                 # both models
 #   LATTE_DEMO_MODELS=rtdetr bash tools/demo.sh
+#   LATTE_DEMO_RESULTS=results bash tools/demo.sh   # also rewrites the committed results/ files
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="$(bash tools/setup_env.sh | tail -n 1)"
 py="$venv/bin/python"
-"$py" -m latte_plugin.data.synthetic data/synthetic --train 4000 --val 300 --size 256
+"$py" -m latte_plugin.data.synthetic data/synthetic --train 4000 --val 300 --size 256 >/dev/null
 mmdet_test="$("$py" -c 'import mmdet, os; print(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "tools", "test.py"))')"
 for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr}; do
   case "$model" in
@@ -19,9 +20,12 @@ for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr}; do
   esac
   work="${LATTE_DEMO_WORK_DIR:-work_dirs/main_job}/$model"
   echo "== $model: $cfg on $ckpt =="
-  "$py" tools/main_job.py --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" 2>&1 \
-    | grep -vE "^(WARNING|  warnings.warn)|DeprecationWarning|UserWarning"
-  echo "== mmdet's own tools/test.py on $work/latte_calibrated.pth (no recalibration) =="
-  "$py" "$mmdet_test" "$cfg" "$work/latte_calibrated.pth" --work-dir "$work/mmdet_test" 2>&1 \
-    | grep -E "coco/bbox_mAP:|\[latte\] using" || { echo "tools/test.py failed"; exit 1; }
+  # progress bars, the table and the paths on the console; the frameworks' logs in $work/main_job.log
+  PYTHONWARNINGS=ignore "$py" tools/main_job.py --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" \
+    ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/main_job_$model.json"}
+  echo "== mmdet's own tools/test.py on $work/latte_calibrated.pth (no recalibration; log: $work/mmdet_test.log) =="
+  mkdir -p "$work"
+  PYTHONWARNINGS=ignore "$py" "$mmdet_test" "$cfg" "$work/latte_calibrated.pth" --work-dir "$work/mmdet_test" \
+    >"$work/mmdet_test.log" 2>&1 || { tail -n 20 "$work/mmdet_test.log"; echo "tools/test.py failed"; exit 1; }
+  grep -oE "\[latte\] using.*|coco/bbox_mAP: [0-9.]+" "$work/mmdet_test.log" | sort -u
 done

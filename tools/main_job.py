@@ -19,6 +19,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from latte_plugin.core.io import CKPT_NAME, REPORT_NAME  # noqa: E402
 
 DEFAULT_CONFIG = "configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py"
 DEFAULT_CHECKPOINT = "checkpoints/cond_detr_r18_synthetic.pth"
@@ -47,7 +50,38 @@ def main(argv=None) -> dict:
     p.add_argument("--work-dir", default="work_dirs/main_job")
     p.add_argument("--rows", nargs="+", help="row names to run (default: all)")
     p.add_argument("--num-images", type=int, help="calibration images (default: the config's)")
+    p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
+    p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
     a = p.parse_args(argv)
+    from latte_plugin.console import quiet, say
+
+    log_path = os.path.join(a.work_dir, "main_job.log")
+    say(f"[latte] main job: {a.config} on {a.checkpoint}" + ("" if a.verbose else f" (log: {log_path})"))
+    with quiet(log_path, enabled=not a.verbose):
+        report = run(a)
+    say(format_table(report.pop("_table_rows")))
+    say(f"report: {os.path.join(a.work_dir, REPORT_NAME)}\ncheckpoint: {os.path.join(a.work_dir, CKPT_NAME)}\n"
+        f"plots: {a.work_dir}/latte_sensitivity.png {a.work_dir}/latte_kept.png"
+        + (f"\nresults: {a.results}" if a.results else "") + f"\n({report['seconds']:.0f} s)")
+    return report
+
+
+def results_file(report: dict, a: argparse.Namespace) -> dict:
+    """What the README's tables are made from: per-row metrics, the default row's choices, timing."""
+    keep = ("default_row", "metrics", "rows", "config", "checkpoint", "seconds", "retained", "attention_gflops")
+    out = {k: report[k] for k in keep if k in report}
+    out["choices"] = {name: {"linearized": r["linearized"], "images": r["selection"].get("images"),
+                             "heldout_distortion": r["selection"].get("heldout_distortion"),
+                             "layers": {n: {k: f.get(k) for k in ("steps", "refit_reg", "heldout_mse", "heldout")}
+                                        for n, f in r["fit"].items()}}
+                      for name, r in report.get("row_reports", {}).items()}
+    out["command"] = "python tools/main_job.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
+                                                     ("num_images", a.num_images)) if v)
+    return out
+
+
+def run(a: argparse.Namespace) -> dict:
 
     from mmengine.config import Config
     from mmengine.runner import Runner
@@ -55,7 +89,7 @@ def main(argv=None) -> dict:
     from latte_plugin.core.flow import LatteConfig
     from latte_plugin.core.io import atomic_write_json
     from latte_plugin.mmdet.calibrate import build_calibration_loader, calibration_batches, linearize_model
-    from latte_plugin.mmdet.experiments import DEFAULT_ROW, ROWS, row_key, run_rows
+    from main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
     from latte_plugin.mmdet.tools import save_calibrated_checkpoint
     from latte_plugin.viz import plot_kept, plot_sensitivity
 
@@ -80,7 +114,7 @@ def main(argv=None) -> dict:
     runner.load_or_resume()
     batches = calibration_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images)
     rows = [r for r in ROWS if not a.rows or r.name in a.rows]
-    ckpt_path = os.path.join(a.work_dir, "latte_calibrated.pth")
+    ckpt_path = os.path.join(a.work_dir, CKPT_NAME)
     default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(
         (r.name for r in rows if r.kind == "latte"), None)
 
@@ -115,14 +149,14 @@ def main(argv=None) -> dict:
     report["config"] = a.config
     report["checkpoint"] = a.checkpoint
     report["seconds"] = time.time() - t0
-    path = os.path.join(a.work_dir, "latte_report.json")
+    path = os.path.join(a.work_dir, REPORT_NAME)
     atomic_write_json(report, path)
+    if a.results:
+        atomic_write_json(results_file(report, a), a.results)
     if "latte" in reps:  # the paper's score, per layer
         plot_sensitivity(reps["latte"], os.path.join(a.work_dir, "latte_sensitivity.png"))
     plot_kept(metrics, os.path.join(a.work_dir, "latte_kept.png"))
-    print(format_table(res))
-    print(f"report: {path}\nplots: {a.work_dir}/latte_sensitivity.png {a.work_dir}/latte_kept.png\n"
-          f"({time.time() - t0:.0f} s)")
+    report["_table_rows"] = res
     return report
 
 

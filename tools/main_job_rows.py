@@ -16,9 +16,10 @@ from typing import Callable, Optional
 import torch
 from mmengine.logging import print_log
 
-from ..core.flow import LatteConfig, attention_gflops, find_latte_layers, set_modes
-from .calibrate import calibrate_detector, detector_forward, unwrap
-from .tools import evaluate_bbox
+from latte_plugin.console import say, set_label
+from latte_plugin.core.flow import LatteConfig, attention_gflops, find_latte_layers, set_modes
+from latte_plugin.mmdet.calibrate import calibrate_detector, detector_forward, unwrap
+from latte_plugin.mmdet.tools import evaluate_bbox
 
 __all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "run_rows", "encoder_latency", "latency_modules"]
 
@@ -142,6 +143,7 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
             print_log(f"[latte] row {row.name}: same settings as {done[key]}", logger="current")
             continue
         done[key] = row.name
+        set_label(row.name)
         if row.kind == "latte":
             rep = calibrate_detector(model, batches, cfg)
             reports[row.name] = rep
@@ -169,8 +171,8 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
             "encoder_latency_ratio": t_exact / t_row,
             "seconds": time.time() - t0,
         }
-        print_log(f"[latte] row {row.name}: bbox_mAP={metrics['bbox_mAP']:.4f} "
-                  f"({time.time() - t0:.0f} s)", logger="current")
+        say(f"[latte] {row.name:18s} {results[row.name]['linear']:>5s} linear  bbox_mAP {metrics['bbox_mAP']:.4f}  "
+            f"({time.time() - t0:.0f} s)")
     # GFLOPs per row from the token counts the calibration measured (self-attention: M = N).
     shapes = next(iter(reports.values()))["tokens"] if reports else {}
     pairs = {n: (t, t) for n, t in shapes.items()}

@@ -1,0 +1,49 @@
+"""tools/calibrate.py's LATTE flags come from LatteConfig: one flag per field, and each changes the config."""
+import dataclasses
+import os
+import sys
+
+import pytest
+
+from latte_plugin.core.flow import LatteConfig
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import calibrate as tool  # noqa: E402
+
+#: a command-line value different from the default, per field
+VALUES = {"candidates": ["a.*.attn", "b.attn"], "ratio": "0.5", "num_linear": "3", "variant": "qtvit",
+          "num_images": "7", "max_items": "9", "max_queries": "11", "steps": "3", "lr": "0.5", "correction": "sigma",
+          "refit_reg": ["0.5", "2"], "holdout": "0.5", "per_head": None, "sequential": None, "selection": "score",
+          "lam": "2.5", "greedy_images": "4", "mode": "dynamic", "threshold": "64", "seed": "5"}
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def test_every_config_field_is_a_flag_and_every_flag_changes_the_config():
+    fields = [f.name for f in dataclasses.fields(LatteConfig) if f.name not in tool.NOT_FLAGS]
+    assert set(VALUES) == set(fields), "a LatteConfig field without a test value: add it to VALUES"
+    base = LatteConfig().to_dict()
+    for name in fields:
+        value = VALUES[name]
+        argv = ["cfg.py", _flag(name)] + ([] if value is None else value if isinstance(value, list) else [value])
+        overrides = tool.latte_overrides(tool.parse_args(argv))
+        changed = LatteConfig.from_dict({**base, **overrides}).to_dict()
+        assert changed[name] != base[name], (name, overrides)
+
+
+def test_boolean_flags_turn_off_too_and_unset_flags_change_nothing():
+    assert tool.latte_overrides(tool.parse_args(["cfg.py"])) == {}
+    assert tool.latte_overrides(tool.parse_args(["cfg.py", "--no-sequential"])) == {"sequential": False}
+    assert tool.latte_overrides(tool.parse_args(["cfg.py", "--correction", "none"])) == {"correction": "none"}
+
+
+def test_help_comes_from_the_config_docstring():
+    helps = tool.field_help()
+    assert helps["correction"].startswith("output correction") and "refit" in helps["correction"]
+    with pytest.raises(SystemExit):
+        tool.parse_args(["cfg.py", "--correction", "diagonal"])
+    with pytest.raises(SystemExit):  # ratio and num_linear exclude each other
+        tool.parse_args(["cfg.py", "--ratio", "0.5", "--num-linear", "2"])

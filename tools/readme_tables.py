@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Regenerates the README's tables from the committed result files under ``results/``.
+
+    python tools/readme_tables.py           # rewrite README.md in place
+    python tools/readme_tables.py --check   # exit 1 (and show the first difference) if it is stale
+
+Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` markers;
+NAME picks the renderer and its result file (see :data:`TABLES`). Nothing else in the
+README is touched. ``tests/test_readme.py`` runs ``--check``.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import re
+import sys
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "results")
+README = os.path.join(ROOT, "README.md")
+MARKER = re.compile(r"(<!-- results:([\w:.-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.DOTALL)
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(RESULTS, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main_job_table(model: str) -> str:
+    """Every row of the main job on one embedded model."""
+    res = _load(f"main_job_{model}.json")
+    rows = []
+    for name, m in res["metrics"].items():
+        if name == "linearized":
+            continue
+        rows.append([name, m["linear"], f"{m['bbox_mAP']:.3f}", f"{m['bbox_mAP_50']:.3f}",
+                     _num(100 * m["retained"] if m.get("retained") is not None else None, ".1f"),
+                     f"{m['attention_gflops']:.4f}", _num(m.get("heldout_distortion"), ".3e"),
+                     _num(m.get("heldout_mse"), ".3e")])
+    head = ["row", "linear", "bbox mAP", "mAP@.5", "% kept", "attn GFLOPs", "held-out distortion",
+            "held-out layer MSE"]
+    return _table(head, rows) + f"\n\n`{res['command']}`: {res['seconds'] / 60:.1f} min on 2 CPU cores."
+
+
+def choices_table(model: str) -> str:
+    """What the default row chose per layer, on the choice images, and its error on the report images."""
+    res = _load(f"main_job_{model}.json")
+    row = res.get("default_row")
+    ch = res["choices"][row]
+    rows = []
+    for layer, f in ch["layers"].items():
+        held = f.get("heldout") or {}
+        rows.append([f"`{layer}`", "LINEAR" if layer in ch["linearized"] else "exact", str(f["steps"]),
+                     _num(f.get("refit_reg"), "g"), _num(held.get("none"), ".3e"), _num(held.get("sigma"), ".3e"),
+                     _num(held.get("refit"), ".3e")])
+    imgs = ch.get("images") or {}
+    head = ["layer", "state", "L-BFGS steps (chosen)", "ridge (chosen)", "held-out MSE: none", "sigma", "refit"]
+    return (_table(head, rows) + f"\n\nDefault row `{row}`: {imgs.get('fit', '-')} fit images, "
+            f"{imgs.get('choose', '-')} choice images, {imgs.get('report', '-')} report images; held-out output "
+            f"distortion {_num(ch.get('heldout_distortion'), '.3e')}.")
+
+
+def parity_table() -> str:
+    res = _load("parity_detectron2.json")
+    rows = [[r["model"], f"`{r['checkpoint']}`", r["state"], f"{r['mmdet_bbox_mAP']:.3f}",
+             f"{r['detectron2_AP']:.2f}", f"{abs(100 * r['mmdet_bbox_mAP'] - r['detectron2_AP']):.2f}"]
+            for r in res["rows"]]
+    head = ["model", "checkpoint", "LATTE state", "mmdet CocoMetric bbox mAP", "detectron2 COCOEvaluator AP",
+            "|difference| (AP points)"]
+    return _table(head, rows) + f"\n\nMade by `{res['command']}` (detectron2 at commit {res['detectron2_commit'][:8]})."
+
+
+def attention_table(name: str) -> str:
+    res = _load(f"{name}.json")
+    rows = []
+    for r in res["rows"]:
+        rows.append([str(r["n"]), _num(r["latte_ms"], ".3f"), _num(r.get("compiled_ms"), ".3f"), _num(r["sdpa_ms"], ".3f"),
+                     _num(r["naive_ms"], ".3f"), _num(r["memcpy_ms"], ".3f"), _num(r["speedup_vs_sdpa"], ".2f"),
+                     _num(r.get("speedup_compiled_vs_sdpa"), ".2f"), _num(r["latte_over_memcpy"], ".1f"),
+                     _num(r.get("compiled_over_memcpy"), ".1f"), _num(r["flop_ratio"], ".1f")])
+    head = ["N", "LATTE ms", "compiled ms", "SDPA ms", "naive ms", "memcpy ms", "SDPA / LATTE", "SDPA / compiled",
+            "LATTE / memcpy", "compiled / memcpy", "FLOP ratio"]
+    return _table(head, rows)
+
+
+def detector_table() -> str:
+    res = _load("detector_cpu.json")
+    rows = [[r["size"], str(r["tokens"]), f"{r['enc_exact']:.3g}", f"{r['enc_latte']:.3g}", f"{r['enc_speedup']:.2f}x",
+             f"{r['e2e_exact']:.3g}", f"{r['e2e_latte']:.3g}", f"{r['e2e_speedup']:.2f}x",
+             f"{r['attn_gflops_exact']:.1f} / {r['attn_gflops_latte']:.1f}"] for r in res["rows"]]
+    head = ["input", "encoder tokens", "encoder exact s", "encoder LATTE s", "encoder speed-up", "end-to-end exact s",
+            "end-to-end LATTE s", "end-to-end speed-up", "attn GFLOPs exact / LATTE"]
+    return _table(head, rows)
+
+
+def timings_table() -> str:
+    res = _load("timings.json")
+    rows = [[f"`{r['command']}`", r["machine"], f"{r['seconds'] / 60:.1f} min", r.get("note", "")]
+            for r in res["rows"]]
+    return _table(["command", "machine", "wall time", "note"], rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "main:cond_detr": lambda: main_job_table("cond_detr"),
+    "main:rtdetr": lambda: main_job_table("rtdetr"),
+    "choices:cond_detr": lambda: choices_table("cond_detr"),
+    "choices:rtdetr": lambda: choices_table("rtdetr"),
+    "parity": parity_table,
+    "attention_cpu_fp32": lambda: attention_table("attention_cpu_fp32"),
+    "detector_cpu": detector_table,
+    "timings": timings_table,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every marked table regenerated."""
+
+    def one(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise SystemExit(f"README.md: unknown results table {name!r}; known: {', '.join(TABLES)}")
+        return m.group(1) + TABLES[name]().rstrip("\n") + "\n" + m.group(4)
+
+    return MARKER.sub(one, text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only check that README.md is up to date")
+    a = p.parse_args(argv)
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    new = render(text)
+    if a.check:
+        if new != text:
+            diff = "".join(list(difflib.unified_diff(text.splitlines(True), new.splitlines(True), "README.md",
+                                                     "regenerated"))[:40])
+            print(f"README.md is stale: run python tools/readme_tables.py\n{diff}")
+            return 1
+        return 0
+    if new != text:
+        from latte_plugin.core.io import _atomic
+
+        _atomic(README, lambda f: f.write(new.encode("utf-8")))
+        print("README.md: tables regenerated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    sys.exit(main())
