@@ -2,7 +2,7 @@
 """LATTE vs flash SDPA on a CUDA GPU, N = 4k .. 64k, in under 5 minutes.
 
     python benchmarks/gpu_attention.py [--ns 4096 8192 16384 32768 65536] [--dtype bf16 fp16]
-        [--heads 8] [--head-dim 32] [--json benchmarks/results/attention_gpu.json]
+        [--heads 8] [--head-dim 32] [--json results/attention_gpu.json]
 
 Times, side by side in one run and with CUDA events (best of ``--reps`` after warm-up):
 ``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash backend (the

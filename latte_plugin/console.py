@@ -56,7 +56,10 @@ def progress(it: Iterable, total: int, desc: str) -> Iterator:
         yield from it
         return
     text = f"[latte] {_label + ': ' if _label else ''}{desc}"
-    console = Console(file=_out(), force_terminal=None)
+    console = Console(file=_out())
+    if not console.is_terminal:  # a log file or a pipe: no bar (it would only leave blank lines)
+        yield from it
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task(text, total=total)

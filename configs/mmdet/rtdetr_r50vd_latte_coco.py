@@ -23,8 +23,28 @@ test_pipeline = [  # RT-DETR's own evaluation transform: 640 x 640, aspect not k
     dict(type='LoadAnnotations', with_bbox=True),
     dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
 ]
+train_pipeline = [  # used for training only; calibration takes train images through test_pipeline
+    dict(type='LoadImageFromFile', backend_args=backend_args),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='Resize', scale=(640, 640), keep_ratio=False),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackDetInputs'),
+]
+train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
 val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
 test_dataloader = val_dataloader
+
+# The training schedule (RT-DETR's: AdamW 1e-4, backbone at 0.1x, 72 epochs). mmengine needs
+# train_dataloader, train_cfg and optim_wrapper together, and the base sets train_dataloader.
+train_cfg = dict(type='EpochBasedTrainLoop', max_epochs=72, val_interval=1)
+val_cfg = dict(type='ValLoop')
+test_cfg = dict(type='TestLoop')
+optim_wrapper = dict(
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=1e-4, weight_decay=1e-4),
+    clip_grad=dict(max_norm=0.1, norm_type=2),
+    paramwise_cfg=dict(custom_keys={'hf.model.backbone': dict(lr_mult=0.1)}))
+param_scheduler = [dict(type='LinearLR', start_factor=0.001, by_epoch=False, begin=0, end=2000)]
 
 custom_hooks = [
     dict(

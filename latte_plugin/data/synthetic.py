@@ -6,14 +6,15 @@ colour (4 classes), so labels depend on long-range context. The same seed gives 
 bytes (PNG via OpenCV, JSON with sorted keys). No download.
 
 Usage: ``python -m latte_plugin.data.synthetic OUT_DIR [--train 64] [--val 32] [--size 256]``
-writes ``OUT_DIR/{train,val}/*.png`` and ``OUT_DIR/annotations/instances_{train,val}.json``.
+writes ``OUT_DIR/{train,val}/*.png`` and ``OUT_DIR/annotations/instances_{train,val}.json``;
+with ``--coco-layout``, COCO 2017's layout and 80 categories instead (for the COCO configs).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -42,24 +43,45 @@ def _draw(img: np.ndarray, shape: str, x0: int, y0: int, s: int, color: Sequence
         cv2.circle(img, (x0 + s // 2, y0 + s // 2), s // 2, color, thickness=-1, lineType=cv2.LINE_AA)
 
 
-def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.Generator) -> None:
+#: COCO 2017's 80 detection categories: (id, name), ids 1..90 with COCO's gaps.
+COCO_CATEGORIES = tuple(zip(
+    [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)],
+    ("person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
+     "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
+     "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
+     "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
+     "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
+     "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
+     "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse", "remote", "keyboard", "cell phone",
+     "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase", "scissors", "teddy bear",
+     "hair drier", "toothbrush")))
+#: In the COCO layout, the 4 synthetic classes are written as these real COCO categories
+#: (ids with gaps below them and the last id, so a label/id mix-up shows).
+COCO_LAYOUT_IDS = (1, 18, 44, 90)  # person, dog, bottle, toothbrush
+
+
+def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.Generator,
+           coco_layout: bool = False, width: Optional[int] = None) -> None:
+    """One split; images are ``size`` high and ``width`` (default ``size``) wide."""
     import cv2
 
-    img_dir = os.path.join(out_dir, split)
+    width = width or size
+
+    img_dir = os.path.join(out_dir, split + ("2017" if coco_layout else ""))
     os.makedirs(img_dir, exist_ok=True)
     images, annotations = [], []
     ann_id = 1
     key_size = max(8, size // 14)
     for i in range(num_images):
-        noise = rng.integers(0, 50, size=(size // 16, size // 16, 3), dtype=np.uint8)
-        img = cv2.resize(noise, (size, size), interpolation=cv2.INTER_CUBIC)
+        noise = rng.integers(0, 50, size=(size // 16, width // 16, 3), dtype=np.uint8)
+        img = cv2.resize(noise, (width, size), interpolation=cv2.INTER_CUBIC)
         context = CONTEXTS[int(rng.integers(0, len(CONTEXTS)))]
         placed: list[tuple[int, int, int]] = []
         objects = []
         for _ in range(int(rng.integers(1, 4))):
             for _try in range(30):
                 s = int(rng.integers(size // 6, size // 3))
-                x0, y0 = (int(v) for v in rng.integers(0, size - s, size=2))
+                x0, y0 = int(rng.integers(0, width - s)), int(rng.integers(0, size - s))
                 if not _overlaps((x0, y0, s), placed):
                     break
             else:
@@ -70,21 +92,24 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
             placed.append((x0, y0, s))
             objects.append((x0, y0, s, CLASSES.index(f"{shape}-{context}")))
         for _try in range(50):  # the key marker, away from every object
-            kx, ky = (int(v) for v in rng.integers(0, size - key_size, size=2))
+            kx, ky = int(rng.integers(0, width - key_size)), int(rng.integers(0, size - key_size))
             if not _overlaps((kx, ky, key_size), placed, margin=size // 16):
                 break
         cv2.rectangle(img, (kx, ky), (kx + key_size - 1, ky + key_size - 1), _KEY_BGR[context], thickness=-1)
         name = f"{split}_{i:05d}.png"
         cv2.imwrite(os.path.join(img_dir, name), img)
-        images.append({"id": i + 1, "file_name": name, "width": size, "height": size})
+        images.append({"id": i + 1, "file_name": name, "width": width, "height": size})
         for x0, y0, s, cls in objects:
-            annotations.append({"id": ann_id, "image_id": i + 1, "category_id": cls + 1,
+            annotations.append({"id": ann_id, "image_id": i + 1,
+                                "category_id": COCO_LAYOUT_IDS[cls] if coco_layout else cls + 1,
                                 "bbox": [x0, y0, s, s], "area": s * s, "iscrowd": 0})
             ann_id += 1
-    coco = {"images": images, "annotations": annotations,
-            "categories": [{"id": i + 1, "name": n} for i, n in enumerate(CLASSES)]}
+    categories = ([{"id": i, "name": n, "supercategory": "none"} for i, n in COCO_CATEGORIES] if coco_layout
+                  else [{"id": i + 1, "name": n} for i, n in enumerate(CLASSES)])
+    coco = {"images": images, "annotations": annotations, "categories": categories}
     os.makedirs(os.path.join(out_dir, "annotations"), exist_ok=True)
-    with open(os.path.join(out_dir, "annotations", f"instances_{split}.json"), "w") as f:
+    name = f"instances_{split}2017.json" if coco_layout else f"instances_{split}.json"
+    with open(os.path.join(out_dir, "annotations", name), "w") as f:
         json.dump(coco, f, sort_keys=True)
 
 
@@ -100,6 +125,21 @@ def make_synthetic_coco(out_dir: str, num_train: int = 64, num_val: int = 32, si
     return out_dir
 
 
+def make_coco_layout(out_dir: str, num_train: int = 8, num_val: int = 4, size: int = 256, seed: int = 0,
+                     width: Optional[int] = None) -> str:
+    """The same images in COCO 2017's folder layout with its 80 real categories (ids 1..90 with
+    gaps): ``annotations/instances_{train,val}2017.json``, ``train2017/``, ``val2017/``, so the
+    COCO configs run on it unchanged apart from ``data_root``. Returns ``out_dir``."""
+    marker = os.path.join(out_dir, f".done-coco-{num_train}-{num_val}-{size}x{width or size}-{seed}")
+    if os.path.exists(marker):
+        return out_dir
+    rng = np.random.default_rng(seed)
+    _split(out_dir, "train", num_train, size, rng, coco_layout=True, width=width)
+    _split(out_dir, "val", num_val, size, rng, coco_layout=True, width=width)
+    open(marker, "w").close()
+    return out_dir
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
@@ -107,8 +147,11 @@ def main() -> None:
     p.add_argument("--val", type=int, default=32)
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--coco-layout", action="store_true",
+                   help="COCO 2017's layout and 80 categories (train2017/, val2017/, instances_*2017.json)")
     a = p.parse_args()
-    print(make_synthetic_coco(a.out_dir, a.train, a.val, a.size, a.seed))
+    make = make_coco_layout if a.coco_layout else make_synthetic_coco
+    print(make(a.out_dir, a.train, a.val, a.size, a.seed))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 # --train 4000 --val 300). Exact attention; LATTE: cond_detr_r18_synthetic_latte.py.
 #   python $DETECTRON2/tools/lazyconfig_train_net.py --eval-only \
 #       --config-file configs/detectron2/embedded/cond_detr_r18_synthetic.py
+import os
 import detectron2.data.transforms as T
 from detectron2 import model_zoo
 from detectron2.config import LazyCall as L
@@ -29,7 +30,7 @@ dataloader.test.num_workers = 0
 dataloader.evaluator = L(COCOEvaluator)(dataset_name=val_set, output_dir="work_dirs/d2_eval")
 
 model = L(MMDetDetector)(
-    mmdet_config="configs/mmdet/embedded/cond_detr_r18_synthetic.py",
+    mmdet_config=os.path.join(os.path.dirname(__file__), "..", "..", "mmdet", "embedded", "cond_detr_r18_synthetic.py"),
     latte=None,
     # train-split images through the test mapper, for LATTE's calibration (used only with latte=...)
     calibration_loader=L(build_detection_test_loader)(

@@ -1,0 +1,287 @@
+"""The real users' path: the COCO configs at their real architectures (random weights, smaller
+inputs), on generated data in COCO 2017's layout with its 80 real categories, fed the public
+checkpoint formats through the user-facing commands; labels map to COCO ids in both evaluators."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, require
+
+require("mmcv.ops")
+require("mmdet.models")
+require("transformers")
+import latte_plugin.mmdet  # noqa: E402,F401
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import calibrate as calibrate_tool  # noqa: E402
+import convert_rtdetr_original as converter  # noqa: E402
+
+MMDET_CONFIGS = os.path.join(ROOT, "configs", "mmdet")
+SIDE = 320  # test-time input size (the configs' own: 1333x800 for DETR, 640x640 for RT-DETR)
+FAST = ["--num-images", "2", "--steps", "1", "--greedy-images", "1"]
+
+
+@pytest.fixture(scope="module")
+def coco_root(tmp_path_factory):
+    from latte_plugin.data.synthetic import make_coco_layout
+
+    return make_coco_layout(str(tmp_path_factory.mktemp("coco")), num_train=2, num_val=2, size=256, seed=1)
+
+
+def _resize_to(pipeline, side: int) -> None:
+    for t in pipeline:
+        if t.get("type") == "Resize":
+            t["scale"] = (side, side)
+
+
+def coco_cfg(name: str, root: str, work_dir: str, path: str):
+    """A COCO config pointed at ``root`` (only ``data_root`` and the annotation file change),
+    test inputs at SIDE px, no pretrained-backbone download, dumped to ``path``."""
+    from mmengine.config import Config
+
+    cfg = Config.fromfile(os.path.join(MMDET_CONFIGS, name))
+    root = root.rstrip("/") + "/"
+    for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
+        cfg[key].dataset.data_root = root
+    for key in ("val_evaluator", "test_evaluator"):
+        cfg[key].ann_file = root + "annotations/instances_val2017.json"
+    for key in ("val_dataloader", "test_dataloader"):
+        _resize_to(cfg[key].dataset.pipeline, SIDE)
+    if "backbone" in cfg.model:
+        cfg.model.backbone.init_cfg = None
+    cfg.work_dir = work_dir
+    cfg.default_hooks.checkpoint = None
+    cfg.dump(path)
+    return cfg
+
+
+def _model_state(path: str) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if ".latte." not in k}
+
+
+def _build(cfg):
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+
+    register_all_modules()
+    return MODELS.build(cfg.model)
+
+
+def _assert_same_weights(got: dict, want: dict) -> None:
+    assert set(got) == set(want), (sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5])
+    for k, v in want.items():
+        assert torch.equal(got[k].to(v.dtype), v), k
+
+
+@pytest.mark.timeout(900)
+def test_detr_r50_coco_config_takes_an_mmdet_model_zoo_checkpoint(coco_root, tmp_path):
+    """mmdet's model-zoo DETR-R50 format (``meta`` + ``state_dict``, mmdet's key names) through
+    ``tools/calibrate.py --checkpoint``: every key lands, calibration and CocoMetric run."""
+    from mmdet.datasets import CocoDataset
+
+    cfg = coco_cfg("detr_r50_latte_coco.py", coco_root, str(tmp_path / "w"), str(tmp_path / "detr.py"))
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in _build(cfg).state_dict().items()}
+    zoo = str(tmp_path / "detr_r50_8xb2-150e_coco_20221023_153551-436d03e8.pth")
+    torch.save({"meta": {"mmdet_version": "3.0.0rc6", "dataset_meta": dict(CocoDataset.METAINFO), "epoch": 150},
+                "state_dict": state}, zoo)
+    report = calibrate_tool.main([str(tmp_path / "detr.py"), "--checkpoint", zoo, "--work-dir", str(tmp_path / "w"),
+                                  "--eval", *FAST])
+    assert len(report["linearized"]) == 4 and set(report["metrics"]) == {"exact", "linearized"}
+    _assert_same_weights(_model_state(report["paths"]["checkpoint"]), state)
+
+
+def _hf_rtdetr(arch: str, seed: int = 0):
+    from transformers import RTDetrForObjectDetection
+
+    torch.manual_seed(seed)
+    return RTDetrForObjectDetection(converter.build_config(arch)).eval()
+
+
+@pytest.mark.timeout(900)
+def test_rtdetr_r50vd_coco_config_takes_an_hf_directory(coco_root, tmp_path):
+    """An HF ``RTDetrForObjectDetection`` directory as published for RT-DETR-R50vd (config.json with
+    COCO's 80 labels, model.safetensors) through ``tools/calibrate.py --cfg-options model.pretrained=DIR``:
+    the config starts (it failed before: no train_cfg / optim_wrapper), every key lands."""
+    from safetensors.torch import load_file
+
+    hf = _hf_rtdetr("r50vd")
+    hf_dir = str(tmp_path / "rtdetr_r50vd")
+    hf.save_pretrained(hf_dir)
+    assert json.load(open(os.path.join(hf_dir, "config.json")))["id2label"]["79"] == "toothbrush"
+    coco_cfg("rtdetr_r50vd_latte_coco.py", coco_root, str(tmp_path / "w"), str(tmp_path / "rtdetr.py"))
+    report = calibrate_tool.main([str(tmp_path / "rtdetr.py"), "--cfg-options", f"model.pretrained={hf_dir}",
+                                  "--work-dir", str(tmp_path / "w"), "--eval", *FAST])
+    assert len(report["candidates"]) == 7 and len(report["linearized"]) == 5
+    want = {"hf." + k: v for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    got = _model_state(report["paths"]["checkpoint"])
+    _assert_same_weights({k: v for k, v in got.items() if k in want or not k.endswith("num_batches_tracked")}, want)
+
+
+def test_original_rtdetr_checkpoint_converts_with_every_key(tmp_path):
+    """The original repository's format (``ema.module``, its key names as transformers' conversion
+    script maps them): ``tools/convert_rtdetr_original.py`` writes an HF directory the configs take,
+    with every key filled and every original key used."""
+    from latte_plugin.mmdet.rtdetr import HFRTDETR
+
+    hf = _hf_rtdetr("r18vd", seed=1)
+    orig = converter.to_original(hf.state_dict())
+    assert "backbone.res_layers.1.blocks.0.short.conv.conv.weight" in orig
+    assert "decoder.decoder.layers.0.self_attn.in_proj_weight" in orig and "encoder.encoder.0.layers.0.linear1.weight" in orig
+    src = str(tmp_path / "rtdetr_r18vd_dec3_6x_coco_from_paddle.pth")
+    torch.save({"ema": {"module": orig, "updates": 1000}, "last_epoch": 71}, src)
+    out = str(tmp_path / "hf")
+    converter.main([src, out, "--arch", "r18vd"])
+    det = HFRTDETR(pretrained=out)
+    want = {k: v for k, v in hf.state_dict().items() if not k.endswith("num_batches_tracked")}
+    got = {k[len("hf."):]: v for k, v in det.state_dict().items() if not k.endswith("num_batches_tracked")}
+    _assert_same_weights(got, want)
+    # a checkpoint of another architecture is refused, naming the keys
+    with pytest.raises(SystemExit, match="does not match the RT-DETR architecture"):
+        converter.main([src, str(tmp_path / "bad"), "--arch", "r50vd"])
+
+
+def _gt(coco_root):
+    ann = json.load(open(os.path.join(coco_root, "annotations", "instances_val2017.json")))
+    ids = sorted(c["id"] for c in ann["categories"])
+    assert len(ids) == 80 and ids[-1] == 90 and 12 not in ids  # COCO's real ids, gaps included
+    return ann, {cid: i for i, cid in enumerate(ids)}  # contiguous label <- category id (both frameworks)
+
+
+def test_coco_labels_map_to_category_ids_in_cocometric(coco_root):
+    """Perfect predictions with contiguous labels 0..79 score 1.0 in CocoMetric; labels that
+    ignore COCO's id gaps do not."""
+    from mmdet.datasets import CocoDataset
+    from mmdet.evaluation import CocoMetric
+
+    ann, label_of = _gt(coco_root)
+    assert {a["category_id"] for a in ann["annotations"]} - {1}  # ids past a gap are used
+
+    def score(shift: int) -> float:
+        metric = CocoMetric(ann_file=os.path.join(coco_root, "annotations", "instances_val2017.json"))
+        metric.dataset_meta = dict(CocoDataset.METAINFO)
+        for img in ann["images"]:
+            objs = [a for a in ann["annotations"] if a["image_id"] == img["id"]]
+            boxes = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in objs)], dtype=torch.float32)
+            labels = torch.tensor([label_of[a["category_id"]] + shift for a in objs]).clamp(max=79)
+            metric.process({}, [{"img_id": img["id"], "ori_shape": (img["height"], img["width"]),
+                                 "pred_instances": {"bboxes": boxes, "scores": torch.ones(len(objs)),
+                                                    "labels": labels}}])
+        return metric.evaluate(len(ann["images"]))["coco/bbox_mAP"]
+
+    assert score(0) == pytest.approx(1.0)
+    assert score(1) < 0.5
+
+
+def test_coco_labels_map_to_category_ids_in_cocoevaluator(coco_root, tmp_path):
+    """The same through detectron2's COCOEvaluator on the dataset registered from the same json."""
+    require("detectron2")
+    from detectron2.data import MetadataCatalog
+    from detectron2.data.datasets import register_coco_instances
+    from detectron2.evaluation import COCOEvaluator
+    from detectron2.structures import Boxes, Instances
+
+    ann, label_of = _gt(coco_root)
+    name = f"latte_coco_layout_val_{os.getpid()}"
+    register_coco_instances(name, {}, os.path.join(coco_root, "annotations", "instances_val2017.json"),
+                            os.path.join(coco_root, "val2017"))
+    from detectron2.data import DatasetCatalog
+
+    DatasetCatalog.get(name)  # loads the json: sets the id -> contiguous mapping in the metadata
+    assert MetadataCatalog.get(name).thing_dataset_id_to_contiguous_id == label_of
+
+    def score(shift: int) -> float:
+        ev = COCOEvaluator(name, output_dir=str(tmp_path / f"eval{shift}"))
+        ev.reset()
+        for img in ann["images"]:
+            objs = [a for a in ann["annotations"] if a["image_id"] == img["id"]]
+            inst = Instances((img["height"], img["width"]))
+            inst.pred_boxes = Boxes(torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in objs)],
+                                                 dtype=torch.float32))
+            inst.scores = torch.ones(len(objs))
+            inst.pred_classes = torch.tensor([label_of[a["category_id"]] + shift for a in objs]).clamp(max=79)
+            ev.process([{"image_id": img["id"]}], [{"instances": inst}])
+        return ev.evaluate()["bbox"]["AP"]
+
+    assert score(0) == pytest.approx(100.0)
+    assert score(1) < 50.0
+
+
+def _d2_script():
+    """detectron2's tools/lazyconfig_train_net.py from LATTE_DETECTRON2_SRC (the script is not installed)."""
+    src = os.environ.get("LATTE_DETECTRON2_SRC", "")
+    if os.path.isdir(src):
+        return os.path.join(src, "tools", "lazyconfig_train_net.py")
+    if os.path.isfile(src):
+        import tempfile
+
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import parity_detectron2
+
+        return parity_detectron2.d2_script(src, tempfile.mkdtemp())
+    return None
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", ["detr_r50_latte_coco.py", "rtdetr_r50vd_latte_coco.py"])
+def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, tmp_path, name):
+    """The detectron2 COCO LazyConfigs, unchanged, on the COCO-layout data through detectron2's
+    builtin ``coco_2017_*`` datasets (``DETECTRON2_DATASETS``): instantiated, calibrated on 2 train
+    images at the first evaluation forward, and evaluated by COCOEvaluator in detectron2's own
+    ``lazyconfig_train_net.py --eval-only`` (where LATTE_DETECTRON2_SRC gives the script)."""
+    require("detectron2")
+    script = _d2_script()
+    if script is None:
+        pytest.skip("detectron2's tools/lazyconfig_train_net.py is not installed: set LATTE_DETECTRON2_SRC")
+    datasets = tmp_path / "datasets"
+    datasets.mkdir()
+    os.symlink(coco_root, datasets / "coco")
+    overrides = ["dataloader.test.mapper.augmentations=[]", "model.calibration_loader.mapper.augmentations=[]",
+                 "model.latte.num_images=2", "model.latte.steps=1",
+                 "model.latte.greedy_images=1", "model.calibration_loader.num_workers=0",
+                 "dataloader.test.num_workers=0", f"train.output_dir={tmp_path / 'out'}"]
+    if name.startswith("detr"):
+        cfg = tiny_detr_checkpoint(tmp_path)
+        overrides.append(f"train.init_checkpoint={cfg}")
+    else:
+        hf_dir = str(tmp_path / "hf")
+        _hf_rtdetr("r50vd").save_pretrained(hf_dir)
+        overrides.append(f"model.model_overrides={{'pretrained': '{hf_dir}'}}")
+    env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, script, "--eval-only", "--config-file",
+                          os.path.join(ROOT, "configs", "detectron2", name), *overrides],
+                         capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "copypaste: AP,AP50" in text and "calibrating the LATTE layers" in text, text[-3000:]
+
+
+def tiny_detr_checkpoint(tmp_path) -> str:
+    """A random DETR-R50 checkpoint in mmdet's format, for the detectron2 DETR config."""
+    from mmengine.config import Config
+
+    import mmdet
+
+    cfg = Config.fromfile(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", "detr",
+                                       "detr_r50_8xb2-150e_coco.py"))
+    cfg.model.backbone.init_cfg = None
+    torch.manual_seed(0)
+    path = str(tmp_path / "detr_r50.pth")
+    torch.save({"meta": {}, "state_dict": _build(cfg).state_dict()}, path)
+    return path
+
+
+def test_every_config_is_exercised_by_a_test():
+    """Each file under configs/ is named by some test (this module or another)."""
+    tests = "".join(open(p).read() for p in glob.glob(os.path.join(ROOT, "tests", "*.py")))
+    for path in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True):
+        name = os.path.basename(path)
+        if name.startswith("_") or "/_base_/" in path:
+            continue
+        assert name in tests or os.path.splitext(name)[0] in tests, f"no test uses {os.path.relpath(path, ROOT)}"
