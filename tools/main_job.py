@@ -99,7 +99,7 @@ def run(a: argparse.Namespace) -> dict:
     if not hooks:
         raise SystemExit(f"{a.config} has no LinearizeHook in custom_hooks")
     hook = copy.deepcopy(hooks[0])
-    for k in ("type", "calibrate", "calib_pipeline", "calib_batch_size", "priority"):
+    for k in ("type", "calibrate", "calib_pipeline", "calib_batch_size", "priority", "allow_partial_load"):
         hook.pop(k, None)
     if a.num_images:
         hook["num_images"] = a.num_images

@@ -106,6 +106,19 @@ def detector_table() -> str:
     return _table(head, rows)
 
 
+def calibration_cost_table() -> str:
+    res = _load("calibration_cost.json")
+    rows = [[r["model"], r["input"], str(r["num_images"]), f"{r['seconds'] / 60:.1f} min", f"{r['peak_rss_gib']:.2f} GiB"]
+            for r in res["rows"]]
+    return (_table(["model", "input", "calibration images", "wall time", "peak RSS"], rows)
+            + f"\n\n`{res['command']}` ({res['machine']}; random weights: cost does not depend on them).")
+
+
+def example_output() -> str:
+    with open(os.path.join(RESULTS, "example_hf_vit.txt"), encoding="utf-8") as f:
+        return "```\n" + f.read().rstrip("\n") + "\n```"
+
+
 def timings_table() -> str:
     res = _load("timings.json")
     rows = [[f"`{r['command']}`", r["machine"], f"{r['seconds'] / 60:.1f} min", r.get("note", "")]
@@ -122,6 +135,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "attention_cpu_fp32": lambda: attention_table("attention_cpu_fp32"),
     "detector_cpu": detector_table,
     "timings": timings_table,
+    "calibration_cost": calibration_cost_table,
+    "example_hf_vit": example_output,
 }
 
 
