@@ -13,6 +13,7 @@ Peak memory is the child process's peak resident set size (``getrusage`` ``ru_ma
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -52,7 +53,7 @@ def prepare(key: str, root: str, work: str, num_images: int) -> list[str]:
         register_all_modules()
         cfg.model.backbone.init_cfg = None
         ckpt = os.path.join(root, "detr_r50.pth")
-        torch.save({"meta": {}, "state_dict": REG.build(cfg.model).state_dict()}, ckpt)
+        torch.save({"meta": {}, "state_dict": REG.build(copy.deepcopy(cfg.model)).state_dict()}, ckpt)
         extra = ["--checkpoint", ckpt]
     else:
         sys.path.insert(0, os.path.join(ROOT, "tools"))

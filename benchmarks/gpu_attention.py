@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""LATTE vs flash SDPA on a CUDA GPU, N = 4k .. 64k, in under 5 minutes.
+"""LATTE (Triton kernel and eager path) vs flash SDPA on a CUDA GPU, N = 1k .. 64k, in under 5 minutes.
 
-    python benchmarks/gpu_attention.py [--ns 4096 8192 16384 32768 65536] [--dtype bf16 fp16]
+    python benchmarks/gpu_attention.py [--ns 1024 4096 16384 65536] [--dtype bf16 fp16]
         [--heads 8] [--head-dim 32] [--json results/attention_gpu.json]
 
 Times, side by side in one run and with CUDA events (best of ``--reps`` after warm-up):
 ``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash backend (the
-paper compares with FlashAttention), the fused LATTE inference path
-(``kernels.fused_latte_attention``), and a device memcpy of the same bytes (q, k, v in,
-o out) as the roofline. Prints a table of ms, SDPA/LATTE, LATTE/memcpy and peak memory; no
-GPU is needed to read it, one is needed to run it (it exits with a message otherwise).
+paper compares with FlashAttention), the Triton LATTE kernel a calibrated layer runs on CUDA
+(``triton_latte.triton_latte_attention``, checked against the eager path before timing), the
+eager fused path (``kernels.fused_latte_attention``), and a device memcpy of the same bytes
+(q, k, v in, o out) as the roofline. Prints ms, flash/kernel, kernel/memcpy and peak memory,
+and writes JSON; it needs a GPU (it exits with a message otherwise).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from latte_plugin.core import kernels as K  # noqa: E402
+from latte_plugin.core import triton_latte as T  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,7 +55,7 @@ def peak(fn) -> int:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ns", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=32)
@@ -68,8 +70,8 @@ def main(argv=None) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     print(f"{torch.cuda.get_device_name()} | batch {a.batch}, {a.heads} heads of {a.head_dim}")
-    print(f"{'dtype':5s} {'N':>6s} {'LATTE ms':>9s} {'flash ms':>9s} {'memcpy ms':>9s} {'flash/LATTE':>11s} "
-          f"{'LATTE/memcpy':>12s} {'LATTE MiB':>9s} {'flash MiB':>9s}")
+    print(f"{'dtype':5s} {'N':>6s} {'kernel ms':>9s} {'eager ms':>9s} {'flash ms':>9s} {'memcpy ms':>9s} "
+          f"{'flash/kernel':>12s} {'kernel/memcpy':>13s} {'kernel MiB':>10s} {'flash MiB':>9s}")
     for name in a.dtype:
         dt = DTYPES[name]
         for n in a.ns:
@@ -81,8 +83,15 @@ def main(argv=None) -> list[dict]:
             buf = torch.empty(4 * q.numel(), device=dev, dtype=dt)
             src = torch.cat([q.flatten(), k.flatten(), v.flatten(), v.flatten()])
 
-            def latte():
+            def eager():
                 return K.fused_latte_attention(q, k, v, m, rho)
+
+            def latte():
+                return T.triton_latte_attention(q, k, v, m, rho)
+
+            err = (latte().float() - eager().float()).abs().max().item()
+            if err > 5e-2:
+                raise SystemExit(f"the Triton kernel differs from the eager path by {err} at N={n} ({name})")
 
             def flash():
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -96,14 +105,15 @@ def main(argv=None) -> list[dict]:
                 t_flash, m_flash = float("nan"), 0
                 print(f"  (flash unavailable for {name}: {str(e).splitlines()[0]})")
             t_latte = cuda_time(latte, a.reps)
+            t_eager = cuda_time(eager, a.reps)
             m_latte = peak(latte)
             t_copy = cuda_time(lambda: buf.copy_(src), a.reps)
-            row = dict(dtype=name, n=n, latte_ms=t_latte, flash_ms=t_flash, memcpy_ms=t_copy,
-                       speedup=t_flash / t_latte, roofline=t_latte / t_copy,
-                       latte_mib=m_latte / 2**20, flash_mib=m_flash / 2**20)
+            row = dict(dtype=name, n=n, kernel_ms=t_latte, eager_ms=t_eager, flash_ms=t_flash, memcpy_ms=t_copy,
+                       speedup=t_flash / t_latte, roofline=t_latte / t_copy, max_abs_diff_vs_eager=err,
+                       kernel_mib=m_latte / 2**20, flash_mib=m_flash / 2**20)
             rows.append(row)
-            print(f"{name:5s} {n:6d} {t_latte:9.3f} {t_flash:9.3f} {t_copy:9.3f} {row['speedup']:10.2f}x "
-                  f"{row['roofline']:12.1f} {row['latte_mib']:9.1f} {row['flash_mib']:9.1f}")
+            print(f"{name:5s} {n:6d} {t_latte:9.3f} {t_eager:9.3f} {t_flash:9.3f} {t_copy:9.3f} {row['speedup']:11.2f}x "
+                  f"{row['roofline']:13.1f} {row['kernel_mib']:10.1f} {row['flash_mib']:9.1f}")
             del q, k, v, buf, src
             torch.cuda.empty_cache()
     if a.json:

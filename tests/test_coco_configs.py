@@ -1,6 +1,7 @@
 """The real users' path: the COCO configs at their real architectures (random weights, smaller
 inputs), on generated data in COCO 2017's layout with its 80 real categories, fed the public
 checkpoint formats through the user-facing commands; labels map to COCO ids in both evaluators."""
+import copy
 import glob
 import json
 import os
@@ -70,7 +71,7 @@ def _build(cfg):
     from mmdet.utils import register_all_modules
 
     register_all_modules()
-    return MODELS.build(cfg.model)
+    return MODELS.build(copy.deepcopy(cfg.model))
 
 
 def _assert_same_weights(got: dict, want: dict) -> None:

@@ -154,3 +154,21 @@ def test_linearize_errors_are_clear():
         latte_plugin.linearize(model, [], candidates=["layers.*.self_attn"], **QUIET)
     with pytest.raises(ValueError, match="unknown LATTE setting"):
         latte_plugin.linearize(model, batches, candidates=["layers.*.self_attn"], not_a_knob=1, **QUIET)
+
+
+def test_linearize_takes_the_same_calibrate_vocabulary():
+    """calibrate='auto' keeps a calibrated model's state, 'always' recalibrates, 'never' requires state."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(2, 24, 32),) for _ in range(4)]
+    with pytest.raises(ValueError, match="calibrate='never'"):
+        latte_plugin.linearize(TinyEncoder().eval(), batches, candidates=["layers.*.self_attn"], calibrate="never",
+                               **QUIET)
+    model, first = latte_plugin.linearize(TinyEncoder().eval(), batches, candidates=["layers.*.self_attn"], **QUIET)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model, again = latte_plugin.linearize(model, batches, candidates=["layers.*.self_attn"], **QUIET)
+    assert first is not None and again is None
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    _, forced = latte_plugin.linearize(model, batches, candidates=["layers.*.self_attn"], calibrate="always", **QUIET)
+    assert forced is not None
+    with pytest.raises(ValueError, match="calibrate must be"):
+        latte_plugin.linearize(model, batches, candidates=["layers.*.self_attn"], calibrate="sometimes", **QUIET)

@@ -29,6 +29,15 @@ def _fastpath_guard(module: nn.Module, args: tuple) -> None:
     return None
 
 
+def _triton_ready(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the Triton kernel takes this call (installed, not turned off, supported shapes and dtypes)."""
+    try:
+        from . import triton_latte
+    except ImportError:  # pragma: no cover
+        return False
+    return triton_latte.available() and triton_latte.supported(q, k, v)
+
+
 class LatteParams(nn.Module):
     """The LATTE scalars of one attention layer (spec sections 2-5, 8).
 
@@ -134,14 +143,21 @@ class LatteParams(nn.Module):
     ) -> Tensor:
         """LATTE linear attention with sigma applied: ``(B, H, N, d_v)``.
 
-        ``latte`` and ``jpn_only`` run the fused fast path; the others (and calibration, via
+        ``latte`` and ``jpn_only`` run the fused fast path (the Triton kernel on CUDA tensors,
+        :mod:`.triton_latte`; the eager fused function elsewhere); the others (and calibration, via
         :meth:`features`) use the reference composition it is tested against. A general
         ``attn_mask`` (bool, ``True`` = masked, e.g. causal) takes the quadratic masked path.
         """
         variant = self.variant
         if attn_mask is None and variant in ("latte", "jpn_only"):
             m = self.m.view(-1, 1, 1) if variant == "latte" else 1.0
-            o = kernels.fused_latte_attention(q, k, v, m, torch.exp(self.log_rho).view(-1, 1, 1), key_padding_mask)
+            rho = torch.exp(self.log_rho).view(-1, 1, 1)
+            if q.is_cuda and _triton_ready(q, k, v):  # the fused GPU kernel (LATTE_KERNEL=eager turns it off)
+                from . import triton_latte
+
+                o = triton_latte.triton_latte_attention(q, k, v, m, rho, key_padding_mask)
+            else:
+                o = kernels.fused_latte_attention(q, k, v, m, rho, key_padding_mask)
         else:
             # feature maps in >= float32: squared features overflow float16 at large activations
             acc = torch.promote_types(q.dtype, torch.float32)

@@ -1,0 +1,199 @@
+"""A fused LATTE inference kernel for GPUs (Triton), the fast path of calibrated ``latte`` and
+``jpn_only`` layers on CUDA tensors.
+
+Same contract and results as :func:`latte_plugin.core.kernels.fused_latte_attention` (its
+eager reference; both are tested against the naive composition). Two launches:
+
+1. ``_kv_kernel``, one program per (batch, head, slice of the keys): streams its keys in
+   blocks, builds the normalised LATTE key features ``psi_m(k) / ||psi_m(k)||`` in registers
+   (never stored), and accumulates ``K~^T V`` ``(d, d_v)``, ``sum_j k~_j`` ``(d,)``,
+   ``sum_j v_j`` ``(d_v,)`` and the count of unpadded keys, all in float32. The key slices
+   keep the GPU busy when batch x heads is small; their partial sums (a few KB) are added
+   by torch.
+2. ``_out_kernel``, one program per (batch, head, block of queries): builds
+   ``rho psi_m(q) / ||psi_m(q)||`` in registers and writes
+   ``(q~ (K~^T V) + sum v) / (q~ . sum k~ + count)`` in the input dtype (the beta column of
+   spec section 4 handled analytically, as in the eager path).
+
+Supported: float32, float16, bfloat16; head dims that are powers of two from 16 to 128.
+On CPU tensors it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the
+tests check it without a GPU (there, bfloat16 inputs take the float32 dot: the interpreter's
+bfloat16 ``tl.dot`` is wrong, so the bfloat16 tensor-core dot is checked on a GPU only). ``LATTE_KERNEL=eager`` (or :func:`set_enabled`) forces the
+eager path everywhere.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "supported", "set_enabled", "triton_latte_attention"]
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+_ENABLED = True
+_EPS = 1e-6
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turns the Triton path on or off for this process (``LATTE_KERNEL=eager`` does the same)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def available() -> bool:
+    return triton is not None and _ENABLED and os.environ.get("LATTE_KERNEL", "auto") != "eager"
+
+
+def _pow2_in_range(x: int) -> bool:
+    return 16 <= x <= 128 and x & (x - 1) == 0
+
+
+def supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the kernel takes these tensors (dtype and head dims); the layer falls back otherwise."""
+    return (q.dtype in (torch.float32, torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+            and _pow2_in_range(q.shape[-1]) and _pow2_in_range(v.shape[-1]) and q.dim() == 4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _features(x, m, scale, eps):
+        """``psi_m(x) / (||psi_m(x)|| + eps)`` per row, in float32: ``(rows, d)``."""
+        f = x.to(tl.float32) * scale + m
+        f = f * f
+        norm = tl.sqrt(tl.sum(f * f, axis=1)) + eps
+        return f / norm[:, None]
+
+    @triton.jit
+    def _kv_kernel(K, V, PAD, M_, KV, KSUM, VSUM, CNT,
+                   s_kb, s_kh, s_km, s_kd, s_vb, s_vh, s_vm, s_vd, s_pb, s_pm,
+                   n_keys, keys_per_split, n_heads, scale, eps,
+                   HAS_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                   LOW_PRECISION_DOT: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // n_heads
+        h = pid % n_heads
+        m = tl.load(M_ + h)
+        offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, DV)
+        first = split * keys_per_split
+        last = tl.minimum(first + keys_per_split, n_keys)
+        kv = tl.zeros((D, DV), dtype=tl.float32)
+        ksum = tl.zeros((D,), dtype=tl.float32)
+        vsum = tl.zeros((DV,), dtype=tl.float32)
+        cnt = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(first, last, BLOCK_M):
+            offs_m = start + tl.arange(0, BLOCK_M)
+            valid = offs_m < last
+            if HAS_PAD:
+                pad = tl.load(PAD + b * s_pb + offs_m * s_pm, mask=valid, other=1)
+                valid = valid & (pad == 0)
+            k = tl.load(K + b * s_kb + h * s_kh + offs_m[:, None] * s_km + offs_d[None, :] * s_kd,
+                        mask=valid[:, None], other=0.0)
+            v = tl.load(V + b * s_vb + h * s_vh + offs_m[:, None] * s_vm + offs_dv[None, :] * s_vd,
+                        mask=valid[:, None], other=0.0)
+            f = tl.where(valid[:, None], _features(k, m, scale, eps), 0.0)
+            if LOW_PRECISION_DOT:  # 16-bit inputs: tensor-core dot, float32 accumulation
+                kv += tl.dot(tl.trans(f.to(v.dtype)), v)
+            else:
+                kv += tl.dot(tl.trans(f), v.to(tl.float32), input_precision="ieee")
+            ksum += tl.sum(f, axis=0)
+            vsum += tl.sum(v.to(tl.float32), axis=0)
+            cnt += valid.to(tl.float32)
+        slot = pid * tl.num_programs(1) + split
+        tl.store(KV + slot * D * DV + offs_d[:, None] * DV + offs_dv[None, :], kv)
+        tl.store(KSUM + slot * D + offs_d, ksum)
+        tl.store(VSUM + slot * DV + offs_dv, vsum)
+        tl.store(CNT + slot, tl.sum(cnt, axis=0))
+
+    @triton.jit
+    def _out_kernel(Q, KV, KSUM, VSUM, CNT, M_, RHO, O,
+                    s_qb, s_qh, s_qn, s_qd, s_ob, s_oh, s_on, s_od,
+                    n_queries, n_heads, scale, eps,
+                    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // n_heads
+        h = pid % n_heads
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, DV)
+        rows = offs_n < n_queries
+        q = tl.load(Q + b * s_qb + h * s_qh + offs_n[:, None] * s_qn + offs_d[None, :] * s_qd,
+                    mask=rows[:, None], other=0.0)
+        f = _features(q, tl.load(M_ + h), scale, eps) * tl.load(RHO + h)
+        kv = tl.load(KV + pid * D * DV + offs_d[:, None] * DV + offs_dv[None, :])
+        if LOW_PRECISION_DOT:
+            num = tl.dot(f.to(q.dtype), kv.to(q.dtype))
+        else:
+            num = tl.dot(f, kv, input_precision="ieee")
+        num += tl.load(VSUM + pid * DV + offs_dv)[None, :]
+        den = tl.sum(f * tl.load(KSUM + pid * D + offs_d)[None, :], axis=1) + tl.load(CNT + pid)
+        out = num / tl.where(den != 0.0, den, 1.0)[:, None]
+        tl.store(O + b * s_ob + h * s_oh + offs_n[:, None] * s_on + offs_dv[None, :] * s_od,
+                 out.to(O.dtype.element_ty), mask=rows[:, None])
+
+
+def _per_head(x, heads: int, device) -> Tensor:
+    return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(-1).expand(heads).contiguous()
+
+
+def triton_latte_attention(
+    q: Tensor, k: Tensor, v: Tensor, m: "Tensor | float", rho: "Tensor | float",
+    key_padding_mask: Optional[Tensor] = None, eps: float = _EPS, block_m: int = 64, block_n: int = 64,
+    splits: Optional[int] = None,
+) -> Tensor:
+    """Fused LATTE attention: the same contract as :func:`kernels.fused_latte_attention`.
+
+    Args:
+        q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``; one dtype.
+        m: ``sqrt(1 - alpha)`` (1 for ``jpn_only``), a scalar or one per head.
+        rho: ``delta_q delta_k / (beta_q beta_k)``, a scalar or one per head.
+        key_padding_mask: ``(B, M)`` bool, ``True`` = padded.
+        block_m, block_n: key and query block sizes (powers of two).
+        splits: key slices per (batch, head); default: enough for about 512 programs in all.
+
+    Returns:
+        ``(B, H, N, d_v)`` in the input dtype.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use kernels.fused_latte_attention")
+    if not supported(q, k, v):
+        raise ValueError(f"the Triton LATTE kernel takes float32/16/bf16 (one dtype) and power-of-two head dims "
+                         f"16..128; got {q.dtype}/{k.dtype}/{v.dtype}, d={q.shape[-1]}, d_v={v.shape[-1]}")
+    b, h, n, d = q.shape
+    mk, dv = k.shape[-2], v.shape[-1]
+    dev = q.device
+    if splits is None:
+        splits = max(1, min(triton.cdiv(mk, block_m), triton.cdiv(512, b * h)))
+    keys_per_split = triton.cdiv(triton.cdiv(mk, splits), block_m) * block_m
+    splits = max(1, triton.cdiv(mk, keys_per_split))
+    kv = torch.empty(b * h, splits, d, dv, dtype=torch.float32, device=dev)
+    ksum = torch.empty(b * h, splits, d, dtype=torch.float32, device=dev)
+    vsum = torch.empty(b * h, splits, dv, dtype=torch.float32, device=dev)
+    cnt = torch.empty(b * h, splits, dtype=torch.float32, device=dev)
+    out = torch.empty(b, h, n, dv, dtype=v.dtype, device=dev)
+    m_h, rho_h = _per_head(m, h, dev), _per_head(rho, h, dev)
+    pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else cnt  # dummy pointer
+    # 16-bit dots on tensor cores; but Triton 3.5's interpreter computes bfloat16 tl.dot wrongly
+    # (numpy has no bfloat16), so there bfloat16 inputs take the float32 dot (the GPU check covers it)
+    low = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1")
+    scale = float(d) ** -0.25
+    _kv_kernel[(b * h, splits)](
+        k, v, pad, m_h, kv, ksum, vsum, cnt, *k.stride(), *v.stride(),
+        pad.stride(0) if key_padding_mask is not None else 0, pad.stride(1) if key_padding_mask is not None else 0,
+        mk, keys_per_split, h, scale, eps, HAS_PAD=key_padding_mask is not None, D=d, DV=dv, BLOCK_M=block_m,
+        LOW_PRECISION_DOT=low)
+    # the slices' partial sums (fixed order: deterministic)
+    kv, ksum, vsum, cnt = kv.sum(1), ksum.sum(1), vsum.sum(1), cnt.sum(1)
+    _out_kernel[(b * h, triton.cdiv(n, block_n))](
+        q, kv, ksum, vsum, cnt, m_h, rho_h, out, *q.stride(), *out.stride(), n, h, scale, eps,
+        D=d, DV=dv, BLOCK_N=block_n, LOW_PRECISION_DOT=low)
+    return out

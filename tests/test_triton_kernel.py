@@ -1,0 +1,102 @@
+"""The Triton LATTE kernel against the naive reference: on CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``), or compiled on a GPU where there is one (benchmarks/gpu_check.sh).
+N not a multiple of the block, padded keys, fully padded images, per-head and shared scalars,
+key slices, every supported dtype. ``pytest -k triton`` selects these."""
+import os
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: run the kernels on CPU tensors
+
+import pytest  # noqa: E402
+
+triton_latte = pytest.importorskip("latte_plugin.core.triton_latte", reason="triton is not installed")
+if triton_latte.triton is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from latte_plugin.core import kernels  # noqa: E402
+from tests.conftest import qkv as _qkv  # noqa: E402
+
+
+def qkv(**kw):
+    return tuple(t.to(DEVICE) for t in _qkv(**kw))
+
+#: atol/rtol per dtype: fp32 is exact up to summation order; 16-bit rounds the dot inputs
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-2), torch.bfloat16: (1.5e-2, 5e-2)}
+
+
+def _reference(q, k, v, m, rho, kpm, variant="latte"):
+    """The naive composition in float64: feature maps with the beta column, full score matrix."""
+    h = q.shape[1]
+    m_t = torch.as_tensor(m, dtype=torch.float64, device=q.device).reshape(-1).expand(h).view(h, 1, 1)
+    delta = torch.as_tensor(rho, dtype=torch.float64, device=q.device).reshape(-1).expand(h).view(h, 1, 1).sqrt()
+    fq, fk = kernels.variant_features(q.double(), k.double(), variant, m_t, delta, delta, 1.0, 1.0)
+    return kernels.naive_linear_attention(fq, fk, v.double(), kpm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,mk,d,dv", [(37, 37, 32, 32), (70, 129, 64, 64), (5, 3, 16, 128), (130, 64, 128, 16)])
+def test_triton_kernel_matches_the_naive_reference(dtype, n, mk, d, dv):
+    q, k, v = qkv(b=2, h=3, n=n, m=mk, d=d, dv=dv)
+    m, rho = torch.tensor([0.9, 1.1, 0.7], device=DEVICE), torch.tensor([5.0, 20.0, 2.0], device=DEVICE)  # per head
+    kpm = torch.zeros(2, mk, dtype=torch.bool, device=DEVICE)
+    kpm[1, mk // 2:] = True  # padded keys in the second image
+    ref = _reference(q, k, v, m, rho, kpm)
+    out = triton_latte.triton_latte_attention(q.to(dtype), k.to(dtype), v.to(dtype), m, rho, kpm,
+                                              block_m=32, block_n=32)
+    assert out.dtype == dtype and out.shape == ref.shape
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    eager = kernels.fused_latte_attention(q.to(dtype), k.to(dtype), v.to(dtype), m.view(-1, 1, 1),
+                                          rho.view(-1, 1, 1), kpm)
+    torch.testing.assert_close(out.double(), eager.double(), atol=atol, rtol=rtol)
+
+
+def test_triton_kernel_fully_padded_image_gives_zeros_and_jpn_only_scalars():
+    q, k, v = qkv(b=2, h=2, n=20, m=33, d=32)
+    kpm = torch.zeros(2, 33, dtype=torch.bool, device=DEVICE)
+    kpm[0] = True  # no key at all in the first image
+    out = triton_latte.triton_latte_attention(q, k, v, 1.0, 8.0, kpm)  # jpn_only: m = 1, shared rho
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1:].double(), _reference(q, k, v, 1.0, 8.0, kpm, "jpn_only")[1:],
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_triton_kernel_refuses_what_it_does_not_support():
+    q, k, v = qkv(d=24)
+    assert not triton_latte.supported(q, k, v)
+    with pytest.raises(ValueError, match="power-of-two head dims"):
+        triton_latte.triton_latte_attention(q, k, v, 1.0, 1.0)
+
+
+def test_triton_dispatch_is_for_cuda_only_and_can_be_turned_off(monkeypatch):
+    """CPU tensors take the eager path; LATTE_KERNEL=eager turns the kernel off everywhere."""
+    from latte_plugin.core import layer as layer_mod
+
+    q, k, v = qkv(d=32)
+    assert layer_mod._triton_ready(q, k, v)  # installed and supported: CUDA tensors would take it
+    monkeypatch.setenv("LATTE_KERNEL", "eager")
+    assert not layer_mod._triton_ready(q, k, v)
+    monkeypatch.delenv("LATTE_KERNEL")
+    triton_latte.set_enabled(False)
+    try:
+        assert not layer_mod._triton_ready(q, k, v)
+    finally:
+        triton_latte.set_enabled(True)
+    calls = []
+    monkeypatch.setattr(triton_latte, "triton_latte_attention", lambda *a, **kw: calls.append(1))
+    lay = layer_mod.LatteParams(embed_dim=4 * 32, num_heads=4, mode="linear")
+    out = lay.attend(q.cpu(), k.cpu(), v.cpu())  # CPU: the eager fused path, not the kernel
+    assert not calls and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_triton_kernel_key_slices_sum_to_the_same_result(splits):
+    """Slicing the keys across programs (with a slice boundary inside a block) changes nothing."""
+    q, k, v = qkv(b=1, h=2, n=19, m=150, d=32)
+    kpm = torch.zeros(1, 150, dtype=torch.bool, device=DEVICE)
+    kpm[0, 100:] = True
+    out = triton_latte.triton_latte_attention(q, k, v, 0.8, 6.0, kpm, block_m=16, splits=splits)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.8, 6.0, kpm), atol=2e-5, rtol=2e-5)
