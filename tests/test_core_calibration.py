@@ -301,3 +301,55 @@ def test_backward_select_restores_the_most_harmful_layers():
     chosen, trace = backward_select(list(cost), 2, lambda linear: sum(cost[n] for n in linear))
     assert sorted(chosen) == ["a", "d"]
     assert [t["restored"] for t in trace[1:]] == ["b", "c"]
+
+
+def test_auto_correction_is_chosen_by_cross_fitting_per_layer():
+    """correction='auto': every candidate (the paper's sigma, none, the refit at each strength)
+    gets a cross-fitted error; the lowest is applied; the report images give every candidate's
+    held-out error, the winner's included. 'none' fits nothing, so its cross-fitted error is
+    exactly its plain error on the pool: a check that the folds add up."""
+    from latte_plugin.core.calibration import correction_candidates, reconstruction_error
+
+    model = ToyEncoder().eval()
+    swap_attention(model, ["layers.*.attn"])
+    batches = toy_batches(n=10)
+    layer, fit_rec = _record(model, batches[:6], "layers.2.attn")
+    _, choose_rec = _record(model, batches[6:8], "layers.2.attn")
+    _, report_rec = _record(model, batches[8:], "layers.2.attn")
+    res = fit_layer(layer, fit_rec.items, steps=5, correction="auto", choose=choose_rec.items,
+                    report=report_rec.items)
+    cv = res.choice["correction"]
+    assert set(cv) == set(correction_candidates((1e-3, 1e-2, 1e-1, 1.0, 10.0))) == set(res.heldout)
+    assert res.correction == min(cv, key=cv.get) and res.heldout_mse == res.heldout[res.correction]
+    assert bool(layer.refit_on) == res.correction.startswith("refit")
+    layer.refit_on.fill_(False)
+    layer.sigma.fill_(1.0)
+    pool = fit_rec.items + choose_rec.items
+    assert cv["none"] == pytest.approx(reconstruction_error(layer, pool, use_sigma=False), rel=1e-6)  # fp32 vs fp64
+
+
+def test_auto_selection_and_accuracy_target():
+    """selection='auto' scores score / greedy / backward on the choice images and keeps the best;
+    target= makes as many layers linear as the budget allows, monotone in the budget."""
+    def run(**kw):
+        model = ToyEncoder().eval()
+        swap_attention(model, ["layers.*.attn"])
+        return calibrate_model(model, toy_batches(n=8), lambda b: model(b),
+                               LatteConfig(candidates=["layers.*.attn"], steps=3, **kw), log=lambda s: None)
+
+    rep = run(ratio=0.67)
+    sel = rep["selection"]
+    assert sel["method"] == "auto" and set(sel["choice_distortion"]) == {"score", "greedy", "backward"}
+    assert sel["choice_distortion"][sel["chosen"]] == min(sel["choice_distortion"].values())
+    counts = []
+    for target in (1e-9, 1e-2, 1e9):
+        rep = run(target=target)
+        budget = rep["selection"]["target"]
+        assert len(rep["linearized"]) == budget["k"]
+        prefix = budget["relative_distortion"]
+        assert budget["k"] == 0 or prefix[budget["k"]] <= target  # within the budget
+        assert all(prefix[j] > target for j in prefix if j > budget["k"])  # and no larger count is
+        counts.append(budget["k"])
+    assert counts[0] == 0 and counts[2] == 6 and counts[0] <= counts[1] <= counts[2]
+    with pytest.raises(ValueError, match="target"):
+        LatteConfig(target=0.0).validate()

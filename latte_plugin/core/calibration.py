@@ -21,7 +21,8 @@ from . import kernels
 from .layer import LatteParams
 
 __all__ = ["RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "FitResult",
-           "reconstruction_error", "AllReduce", "CORRECTIONS", "REFIT_REGS", "REFIT_FALLBACK"]
+           "reconstruction_error", "AllReduce", "CORRECTIONS", "REFIT_REGS", "REFIT_FALLBACK",
+           "cross_fit_correction", "correction_candidates"]
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -190,8 +191,11 @@ REFIT_REGS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 #: Ridge strength used when nothing is held out to choose it (the more cautious of the values
 #: the choice items picked on the embedded models: README, Results).
 REFIT_FALLBACK = 0.01
-#: Output corrections: none, the paper's per-channel sigma, or the ridge refit of the whole output.
-CORRECTIONS = ("none", "sigma", "refit")
+#: Output corrections: none, the paper's per-channel sigma, the ridge refit of the whole output,
+#: or ``auto``: the one of these (refit at each strength) with the lowest cross-fitted error.
+CORRECTIONS = ("none", "sigma", "refit", "auto")
+#: Folds of the cross-fitting behind ``correction='auto'``.
+CROSS_FIT_FOLDS = 4
 
 
 @dataclass
@@ -207,8 +211,10 @@ class FitResult:
         refit_reg: the chosen ridge strength of the output refit (``None`` unless ``correction='refit'``).
         choice: errors on the *choice* items that chose the knobs, ``{"steps": {n: mse},
             "refit_reg": {reg: mse}}`` (not held-out figures: they picked the winner).
-        heldout: each correction's MSE on the report items, all fitted on the fit items only:
-            ``{"none": mse, "sigma": mse, "refit": mse}``.
+        heldout: each correction's MSE on the report items (fitted without them):
+            ``{"none": mse, "sigma": mse, "refit": mse}``; with ``correction='auto'``, every
+            candidate's (``refit@<strength>`` each).
+        correction: the correction applied (with ``auto``: the chosen candidate, e.g. ``refit@0.01``).
     """
 
     initial_mse: float
@@ -219,6 +225,7 @@ class FitResult:
     refit_reg: Optional[float] = None
     choice: dict = field(default_factory=dict)
     heldout: dict = field(default_factory=dict)
+    correction: str = "none"
 
 
 def _sum_count(values: list[tuple[Tensor, float]], all_reduce: AllReduce) -> Tensor:
@@ -509,6 +516,42 @@ def apply_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
         layer.refit_on.fill_(True)
 
 
+def correction_candidates(refit_regs: tuple) -> dict[str, tuple[str, Optional[float]]]:
+    """``correction='auto'``'s candidates, the paper's sigma first (it wins ties)."""
+    return {"sigma": ("sigma", None), "none": ("none", None),
+            **{f"refit@{float(r):g}": ("refit", float(r)) for r in refit_regs}}
+
+
+def cross_fit_correction(layer: LatteParams, items: list[RecordedItem], refit_regs: tuple,
+                         folds: int = CROSS_FIT_FOLDS) -> tuple[str, dict[str, float], dict[str, Tensor]]:
+    """Chooses a layer's output correction by k-fold cross-fitting over ``items``.
+
+    The items (in key order) are dealt to ``folds`` folds; each candidate is fitted on the other
+    folds' sufficient statistics and scored on the fold left out, so no error is measured on
+    data its correction was fitted on. Closed form throughout: the folds' sums are computed once.
+
+    Returns:
+        ``(chosen candidate, {candidate: cross-fitted MSE}, the sums of all items)``.
+    """
+    parts = [items[i::folds] for i in range(min(folds, len(items)))]
+    sums = [_normal_sums(layer, _stack_by_shape(p), _no_reduce) for p in parts if p]
+    total = sums[0]
+    for extra in sums[1:]:
+        total = _add_sums(total, extra)
+    cands = correction_candidates(refit_regs)
+    errs: dict[str, float] = {}
+    for name, (kind, reg) in cands.items():
+        if len(sums) < 2:  # one fold: nothing to leave out; fall back to the paper's sigma
+            errs[name] = 0.0 if name == "sigma" else math.inf
+            continue
+        sse = sum(_correction_mse(correction_weights(kind, {k: total[k] - f[k] for k in f}, reg), f)
+                  * float(f["rows"]) for f in sums)
+        err = sse / float(total["rows"])
+        errs[name] = err if math.isfinite(err) else math.inf
+    order = list(cands)
+    return min(order, key=lambda n: (errs[n], order.index(n))), errs, total
+
+
 def fit_layer(
     layer: LatteParams,
     items: list[RecordedItem],
@@ -526,7 +569,10 @@ def fit_layer(
     ``m`` (so alpha) starts at the softmax-weighted mean score, then :func:`grid_start` and
     :func:`lbfgs_refine` minimise the MSE against the recorded softmax outputs (loss and
     gradients summed across ranks). ``jpn_only`` keeps ``m = 1`` and ``qtvit`` has no anchor.
-    The output correction is then fitted in closed form on the fit items only.
+    The output correction is then fitted in closed form on the fit items only; with
+    ``correction='auto'`` it is chosen per layer among none, sigma and the refit at each
+    strength by k-fold cross-fitting over the fit and choice items together
+    (:func:`cross_fit_correction`), then fitted on all of them.
 
     Three disjoint sets of images play three roles: ``items`` are fitted on; ``choose`` items
     choose the knobs (L-BFGS iterations, ridge strength); ``report`` items are fitted on by
@@ -536,7 +582,7 @@ def fit_layer(
         layer: the layer whose buffers are set.
         items: its recordings used for fitting (this rank's share).
         steps: maximum L-BFGS iterations. lr: L-BFGS step scale.
-        correction: one of :data:`CORRECTIONS`.
+        correction: one of :data:`CORRECTIONS` (``auto``: chosen per layer by cross-fitting).
         all_reduce: sums a tensor across ranks in place.
         per_head: one ``(m, log_rho)`` per head; else one pair shared by the layer (the paper).
         choose: recordings of the images that choose the knobs (optional).
@@ -565,20 +611,28 @@ def fit_layer(
     layer.m.copy_(m.expand(layer.num_heads))
     layer.log_rho.copy_(log_rho.expand(layer.num_heads))
 
-    fit_sums = _normal_sums(layer, fit.groups, all_reduce)
-    choose_sums = _normal_sums(layer, chooser.groups, all_reduce) if chooser is not None else None
-    reg, reg_trace = choose_refit_reg(fit_sums, choose_sums, refit_regs) if correction == "refit" else (None, {})
-    apply_correction(layer, correction, correction_weights(correction, fit_sums, reg))
+    if correction == "auto":
+        name, cv, sums = cross_fit_correction(layer, list(items) + list(choose or []), refit_regs)
+        kind, reg = correction_candidates(refit_regs)[name]
+        cands = correction_candidates(refit_regs)
+        choice = {"steps": step_trace, "correction": cv}
+    else:
+        sums = _normal_sums(layer, fit.groups, all_reduce)
+        choose_sums = _normal_sums(layer, chooser.groups, all_reduce) if chooser is not None else None
+        reg, reg_trace = choose_refit_reg(sums, choose_sums, refit_regs) if correction == "refit" else (None, {})
+        name, kind = correction, correction
+        cands = {c: (c, reg if reg is not None else REFIT_FALLBACK) for c in ("none", "sigma", "refit")}
+        choice = {"steps": step_trace, "refit_reg": reg_trace}
+    apply_correction(layer, kind, correction_weights(kind, sums, reg))
     layer.calibrated.fill_(True)
-    heldout = _report_errors(layer, fit_sums, report or [], all_reduce, reg) if float(counts[2]) > 0 else {}
+    heldout = _report_errors(layer, sums, report or [], all_reduce, cands) if float(counts[2]) > 0 else {}
     return FitResult(initial_mse=initial, final_mse=reconstruction_error(layer, items, all_reduce),
-                     alpha_init=alpha0, heldout_mse=heldout.get(correction), steps=n_steps, refit_reg=reg,
-                     choice={"steps": step_trace, "refit_reg": reg_trace}, heldout=heldout)
+                     alpha_init=alpha0, heldout_mse=heldout.get(name), steps=n_steps,
+                     refit_reg=reg if kind == "refit" else None, choice=choice, heldout=heldout, correction=name)
 
 
-def _report_errors(layer: LatteParams, fit_sums: dict[str, Tensor], report: list[RecordedItem],
-                   all_reduce: AllReduce, reg: Optional[float]) -> dict[str, float]:
-    """Each correction's MSE on the report items (all fitted on the fit items only)."""
+def _report_errors(layer: LatteParams, sums: dict[str, Tensor], report: list[RecordedItem],
+                   all_reduce: AllReduce, cands: dict[str, tuple[str, Optional[float]]]) -> dict[str, float]:
+    """Each candidate correction's MSE on the report items (fitted on ``sums``, never on them)."""
     report_sums = _normal_sums(layer, _stack_by_shape(report), all_reduce)
-    reg = reg if reg is not None else REFIT_FALLBACK
-    return {kind: _correction_mse(correction_weights(kind, fit_sums, reg), report_sums) for kind in CORRECTIONS}
+    return {name: _correction_mse(correction_weights(kind, sums, reg), report_sums) for name, (kind, reg) in cands.items()}

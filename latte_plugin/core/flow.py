@@ -32,7 +32,9 @@ __all__ = [
     "CALIBRATE",
 ]
 
-SELECTIONS = ("score", "greedy", "backward")
+#: Layer selections; ``auto`` picks, per model, whichever of the others distorts the model's
+#: outputs least on the choice images.
+SELECTIONS = ("score", "greedy", "backward", "auto")
 #: When a model calibrates: ``auto`` only if its LATTE layers hold no calibrated state,
 #: ``always`` even if they do, ``never`` (an uncalibrated model is then an error).
 CALIBRATE = ("auto", "always", "never")
@@ -54,12 +56,13 @@ class LatteConfig:
         max_queries: query tokens recorded per image (keyed random subset).
         steps: maximum L-BFGS iterations of the per-layer fit (with held-out images the count is chosen on them).
         lr: L-BFGS step scale.
-        correction: output correction of each linear layer: none, sigma (the paper) or refit (ridge refit of the whole output, beyond the paper).
+        correction: output correction of each linear layer: none, sigma (the paper), refit (ridge refit of the whole output, beyond the paper), or auto (per layer, the candidate with the lowest cross-fitted error).
         refit_reg: candidate ridge strengths of the refit, relative to the input energy (chosen on held-out images).
         holdout: fraction of calibration images held out; half of them choose the knobs, the other half only report held-out errors; 0 disables.
         per_head: fit one (alpha, rho) per head instead of one per layer (beyond the paper).
         sequential: fit layer l on inputs from the model with the layers before it already linear.
-        selection: greedy (add the layer that hurts the final output least), backward (start all-linear, restore the most harmful) or score (the paper's per-layer score).
+        selection: greedy (add the layer that hurts the final output least), backward (start all-linear, restore the most harmful), score (the paper's per-layer score), or auto (per model, the one of these with the lowest output distortion on the choice images).
+        target: accuracy budget instead of a count: the largest number of layers (in greedy order) whose relative output distortion on the choice images stays within it, e.g. 0.01 (ratio and num_linear are then ignored).
         lam: lambda of the sensitivity score.
         greedy_images: calibration images the global selections compare outputs on.
         mode: mode of the selected layers: linear, or dynamic (softmax below threshold keys).
@@ -77,12 +80,13 @@ class LatteConfig:
     max_queries: int = 128
     steps: int = 20
     lr: float = 1.0
-    correction: str = "refit"
+    correction: str = "auto"
     refit_reg: Sequence[float] = REFIT_REGS
     holdout: float = 0.25
     per_head: bool = False
     sequential: bool = False
-    selection: str = "greedy"
+    selection: str = "auto"
+    target: Optional[float] = None
     lam: float = 10.0
     greedy_images: int = 8
     mode: str = "linear"
@@ -100,6 +104,8 @@ class LatteConfig:
             raise ValueError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
+        if self.target is not None and not float(self.target) > 0:
+            raise ValueError(f"target (a relative output distortion) must be > 0, got {self.target}")
         if self.calibrate not in CALIBRATE:
             raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {self.calibrate!r}")
         if self.mode not in ("linear", "dynamic"):
@@ -305,10 +311,10 @@ def fit_layers(layers: dict[str, LatteParams], group: list[str], recs: dict, cfg
                         choose=recs["choose"][n].items, report=recs["report"][n].items, refit_regs=refit_regs)
         fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
                    "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
-                   "heldout": res.heldout, "choice": res.choice}
+                   "heldout": res.heldout, "choice": res.choice, "correction": res.correction}
         held = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e}"
         log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={float(layers[n].log_rho.exp().mean()):.4g} "
-            f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held} (steps {res.steps})")
+            f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held} (steps {res.steps}, {res.correction})")
     return fits
 
 
@@ -356,10 +362,12 @@ def score_sensitivity(layers: dict[str, LatteParams], batches: list, forward: Ca
 
 
 def output_distortion(layers: dict[str, LatteParams], batches: list, forward: Callable[[Any], Any],
-                      reduce: AllReduce) -> Callable[[list[str]], float]:
-    """``linear layers -> mean squared change of the model's raw outputs`` on ``batches`` (global)."""
+                      reduce: AllReduce, relative: bool = False) -> Callable[[list[str]], float]:
+    """``linear layers -> mean squared change of the model's raw outputs`` on ``batches`` (global);
+    with ``relative``, divided by the mean square of the exact outputs."""
     set_modes(layers, [])
     ref = [forward(b) for _, b in batches]
+    energy = reduce(torch.tensor([sum(_energy(r) for r in ref)], dtype=torch.float64))
 
     def distortion(linear: list[str]) -> float:
         set_modes(layers, linear)
@@ -368,20 +376,56 @@ def output_distortion(layers: dict[str, LatteParams], batches: list, forward: Ca
             e, c = _output_sq_error(forward(b), r)
             acc += torch.tensor([e, float(c)], dtype=torch.float64)
         acc = reduce(acc)
-        return float(acc[0] / acc[1]) if float(acc[1]) > 0 else float("nan")
+        if float(acc[1]) == 0:
+            return float("nan")
+        return float(acc[0] / energy[0]) if relative else float(acc[0] / acc[1])
 
     return distortion
 
 
+def _energy(out: Any) -> float:
+    """Sum of squares of a model output's floating-point tensors."""
+    return sum(float((t.double() ** 2).sum()) for t in _tensors(out) if t.is_floating_point())
+
+
+def _select(method: str, layers: dict[str, LatteParams], sens: dict[str, float], k: int,
+            distortion: Callable[[list[str]], float]) -> tuple[list, list]:
+    if method == "score":
+        return select_by_score(sens, k), []
+    return (greedy_select if method == "greedy" else backward_select)(list(layers), k, distortion)
+
+
+def _held_images(split: CalibrationSplit) -> list:
+    """The images that choose among selections: the choice images, else the greedy subset."""
+    return split.choose if split.counts.get("choose") else split.greedy
+
+
 def select_layers(layers: dict[str, LatteParams], sens: dict[str, float], k: int, cfg: LatteConfig,
-                  split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce) -> tuple[list, list]:
-    """The ``k`` layers to linearize (model order) and the selection's trace."""
-    if cfg.selection == "score":
-        chosen, trace = select_by_score(sens, k), []
-    else:
-        select = greedy_select if cfg.selection == "greedy" else backward_select
-        chosen, trace = select(list(layers), k, output_distortion(layers, split.greedy, forward, reduce))
-    return [n for n in layers if n in chosen], trace
+                  split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce) -> tuple[list, list, dict]:
+    """The ``k`` layers to linearize (model order), the selection's trace, and with
+    ``selection='auto'`` each method's output distortion on the choice images."""
+    fit_distortion = output_distortion(layers, split.greedy, forward, reduce)
+    if cfg.selection != "auto":
+        chosen, trace = _select(cfg.selection, layers, sens, k, fit_distortion)
+        return [n for n in layers if n in chosen], trace, {}
+    held = output_distortion(layers, _held_images(split), forward, reduce)
+    runs = {m: _select(m, layers, sens, k, fit_distortion) for m in ("score", "greedy", "backward")}
+    errs = {m: held(list(chosen)) for m, (chosen, _) in runs.items()}
+    order = ["score", "greedy", "backward"]  # the paper's score wins ties
+    best = min(order, key=lambda m: (errs[m], order.index(m)))
+    chosen, trace = runs[best]
+    return [n for n in layers if n in chosen], trace, {"chosen": best, "choice_distortion": errs}
+
+
+def count_for_target(layers: dict[str, LatteParams], sens: dict[str, float], cfg: LatteConfig,
+                     split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce) -> tuple[int, dict]:
+    """With ``target``: the largest prefix of the greedy order whose relative output distortion
+    on the choice images stays within it; returns the count and the distortion of each prefix."""
+    order, _ = greedy_select(list(layers), len(layers), output_distortion(layers, split.greedy, forward, reduce))
+    rel = output_distortion(layers, _held_images(split), forward, reduce, relative=True)
+    prefix = {j: rel(order[:j]) for j in range(1, len(order) + 1)}
+    k = max([0] + [j for j, e in prefix.items() if e <= float(cfg.target)])
+    return k, {"target": float(cfg.target), "order": order, "relative_distortion": prefix, "k": k}
 
 
 def build_report(layers: dict[str, LatteParams], cfg: LatteConfig, k: int, chosen: list[str], sens: dict,
@@ -466,16 +510,20 @@ def calibrate_model(
         if cfg.sequential:
             layers[group[0]].mode = "linear"
     sens, shapes = score_sensitivity(layers, split.fit, forward, cfg, reduce, progress)
-    k = num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
-    chosen, trace = select_layers(layers, sens, k, cfg, split, forward, reduce)
+    budget = count_for_target(layers, sens, cfg, split, forward, reduce) if cfg.target is not None else None
+    k = budget[0] if budget else num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
+    chosen, trace, auto = select_layers(layers, sens, k, cfg, split, forward, reduce)
     held = output_distortion(layers, split.report, forward, reduce)(chosen) if split.counts["report"] else None
+    auto = dict(auto, **({"target": budget[1]} if budget else {}))
     set_modes(layers, chosen, cfg.mode)
     for layer in layers.values():
         layer.threshold.fill_(int(cfg.threshold))
     model.train(was_training)
     for n in layers:
         log(f"[latte] {n}: sensitivity={sens[n]:.4e} -> {'LINEAR' if n in chosen else 'exact'}")
-    return build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held)
+    report = build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held)
+    report["selection"].update(auto)
+    return report
 
 
 def needs_calibration(model: nn.Module, calibrate: str) -> bool:
