@@ -4,6 +4,11 @@ import sys
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under Triton's interpreter; set before anything (inductor,
+    # transformers) imports triton, which reads it once (tests/test_triton_kernel.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 

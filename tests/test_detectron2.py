@@ -203,3 +203,15 @@ def test_detectron2_launch_two_processes_matches_one(synthetic_data, tmp_path):
     for n in b["scalars"]:
         for x, y in zip(a["scalars"][n], b["scalars"][n]):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,count", [("cond_detr_r18_synthetic_latte.py", 6), ("rtdetr_r18_synthetic_latte.py", 7)])
+def test_embedded_lazyconfigs_build_with_latte(synthetic_data, name, count):
+    """The embedded detectron2 LazyConfigs instantiate with their LATTE candidates swapped in."""
+    from detectron2.config import LazyConfig, instantiate
+
+    train, _ = d2p.register_synthetic(synthetic_data, prefix="latte_test")
+    cfg = LazyConfig.load(os.path.join(ROOT, "configs", "detectron2", "embedded", name))
+    cfg = LazyConfig.apply_overrides(cfg, [f"model.calibration_loader.dataset.names={train}"])
+    model = instantiate(cfg.model)
+    assert len(find_latte_layers(model)) == count and model.latte_cfg.ratio == 0.67

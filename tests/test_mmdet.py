@@ -362,3 +362,20 @@ def test_the_hook_refuses_a_mismatched_checkpoint_in_mmdets_own_test_script(synt
     runner = Runner.from_cfg(cfg)
     with pytest.raises(CheckpointError, match="does not fit this model"):
         runner.test()
+
+
+@pytest.mark.parametrize("name,count,linear", [("cond_detr_r18_synthetic_latte.py", 6, 4),
+                                               ("rtdetr_r18_synthetic_latte.py", 7, 5)])
+def test_embedded_latte_configs_swap_their_candidates(name, count, linear):
+    """The embedded LATTE configs (the main job's) name candidates that exist: 6 and 7 layers."""
+    from mmengine.config import Config
+
+    from latte_plugin.core.flow import LatteConfig
+    from latte_plugin.core.selection import num_linear_layers
+    from latte_plugin.mmdet import linearize_model
+
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", name))
+    hook = {k: v for k, v in cfg.custom_hooks[0].items() if k != "type"}
+    latte = LatteConfig.from_dict(hook)
+    names = linearize_model(_build(cfg.model), latte)
+    assert len(names) == count and num_linear_layers(count, latte.ratio, latte.num_linear) == linear

@@ -72,7 +72,10 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
     out = {k: report[k] for k in keep if k in report}
     out["choices"] = {name: {"linearized": r["linearized"], "images": r["selection"].get("images"),
                              "heldout_distortion": r["selection"].get("heldout_distortion"),
-                             "layers": {n: {k: f.get(k) for k in ("steps", "refit_reg", "heldout_mse", "heldout")}
+                             "selection": {k: r["selection"].get(k) for k in ("method", "chosen", "choice_distortion",
+                                                                            "target")},
+                             "layers": {n: {k: f.get(k) for k in ("steps", "refit_reg", "correction", "heldout_mse",
+                                                                   "heldout", "choice")}
                                         for n, f in r["fit"].items()}}
                       for name, r in report.get("row_reports", {}).items()}
     out["command"] = "python tools/main_job.py " + " ".join(

@@ -56,21 +56,28 @@ def main_job_table(model: str) -> str:
 
 
 def choices_table(model: str) -> str:
-    """What the default row chose per layer, on the choice images, and its error on the report images."""
+    """What the default row chose: the selection method per model, the correction and step count
+    per layer (on held-out images), and every candidate correction's error on the report images."""
     res = _load(f"main_job_{model}.json")
     row = res.get("default_row")
     ch = res["choices"][row]
     rows = []
     for layer, f in ch["layers"].items():
         held = f.get("heldout") or {}
+        best_other = min((v for k, v in held.items() if k != f.get("correction")), default=None)
         rows.append([f"`{layer}`", "LINEAR" if layer in ch["linearized"] else "exact", str(f["steps"]),
-                     _num(f.get("refit_reg"), "g"), _num(held.get("none"), ".3e"), _num(held.get("sigma"), ".3e"),
-                     _num(held.get("refit"), ".3e")])
+                     f"`{f.get('correction')}`", _num(held.get(f.get("correction")), ".3e"), _num(held.get("sigma"), ".3e"),
+                     _num(best_other, ".3e")])
     imgs = ch.get("images") or {}
-    head = ["layer", "state", "L-BFGS steps (chosen)", "ridge (chosen)", "held-out MSE: none", "sigma", "refit"]
+    sel = ch.get("selection") or {}
+    dist = sel.get("choice_distortion") or {}
+    head = ["layer", "state", "L-BFGS steps", "correction (chosen)", "its held-out MSE", "sigma's (the paper's)",
+            "best other candidate's"]
+    sel_txt = ", ".join(f"{m} {_num(v, '.3e')}" for m, v in dist.items())
     return (_table(head, rows) + f"\n\nDefault row `{row}`: {imgs.get('fit', '-')} fit images, "
-            f"{imgs.get('choose', '-')} choice images, {imgs.get('report', '-')} report images; held-out output "
-            f"distortion {_num(ch.get('heldout_distortion'), '.3e')}.")
+            f"{imgs.get('choose', '-')} choice images, {imgs.get('report', '-')} report images. Selection: "
+            f"`{sel.get('chosen') or sel.get('method')}` (output distortion on the choice images: {sel_txt or '-'}); "
+            f"its output distortion on the report images {_num(ch.get('heldout_distortion'), '.3e')}.")
 
 
 def parity_table() -> str:

@@ -14,5 +14,7 @@ from .detr_r50_latte_coco import dataloader, model, train
 dataloader.test.mapper.augmentations = [L(T.Resize)(shape=(640, 640))]
 model._target_ = LatteRTDETR
 model.mmdet_config = os.path.join(os.path.dirname(__file__), "..", "mmdet", "rtdetr_r50vd_latte_coco.py")
+# the HF weights directory (config.json + model.safetensors): model.model_overrides.pretrained=/path/to/dir
+model.model_overrides = dict(pretrained="checkpoints/hf/rtdetr_r50vd")
 model.latte.candidates = ["hf.model.encoder.aifi.*.layers.*.self_attn", "hf.model.decoder.layers.*.self_attn"]
 model.calibration_loader.mapper.augmentations = dataloader.test.mapper.augmentations

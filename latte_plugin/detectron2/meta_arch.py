@@ -37,6 +37,15 @@ logger = logging.getLogger("detectron2")
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
+def _plain(value: Any) -> Any:
+    """LazyConfig passes OmegaConf containers; mmengine and LatteConfig want plain dicts and lists."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # pragma: no cover - detectron2 depends on omegaconf
+        return value
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def _build_mmdet_model(mmdet_config: str, overrides: Optional[dict] = None) -> nn.Module:
     from mmengine.config import Config
     from mmdet.registry import MODELS
@@ -85,17 +94,11 @@ class MMDetDetector(nn.Module):
         allow_partial_load: bool = False,
     ) -> None:
         super().__init__()
+        latte, model_overrides = _plain(latte), _plain(model_overrides)
         det = _build_mmdet_model(mmdet_config, model_overrides)
         for name, child in det.named_children():  # mmdet's keys, so checkpoints are shared
             self.add_module(name, child)
         object.__setattr__(self, "_det", det)  # the same modules, not registered twice
-        try:  # LazyConfig passes OmegaConf containers; LatteConfig wants plain values
-            from omegaconf import OmegaConf
-
-            if OmegaConf.is_config(latte):
-                latte = OmegaConf.to_container(latte, resolve=True)
-        except ImportError:
-            pass
         self.latte_cfg = LatteConfig.from_dict(dict(latte)) if latte else None
         self._calibration_loader = calibration_loader
         self._calibrated_here = False
