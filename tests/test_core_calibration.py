@@ -210,15 +210,21 @@ def test_per_head_fit_is_at_least_as_good_as_shared():
     assert "alpha_per_head" in layer.scalars() or len(set(layer.m.tolist())) == 1
 
 
-def test_choice_items_pick_the_knobs_and_report_items_only_report():
-    """Choice items pick the L-BFGS iterations and the refit strength; the correction is fitted
-    on the fit items only; the report items give each correction's error and change nothing."""
+def _three_roles():
+    """Layer 2 of the toy encoder with recordings of 6 fit, 2 choice and 2 report batches."""
     model = ToyEncoder().eval()
     swap_attention(model, ["layers.*.attn"])
     batches = toy_batches(n=10)
     layer, fit_rec = _record(model, batches[:6], "layers.2.attn")
     _, choose_rec = _record(model, batches[6:8], "layers.2.attn")
     _, report_rec = _record(model, batches[8:], "layers.2.attn")
+    return layer, fit_rec, choose_rec, report_rec
+
+
+def test_choice_items_pick_the_knobs_and_report_items_only_report():
+    """Choice items pick the L-BFGS iterations and the refit strength; the correction is fitted
+    on the fit items only; the report items give each correction's error and change nothing."""
+    layer, fit_rec, choose_rec, report_rec = _three_roles()
 
     sig = fit_layer(layer, fit_rec.items, steps=20, correction="sigma", choose=choose_rec.items,
                     report=report_rec.items)
@@ -310,12 +316,7 @@ def test_auto_correction_is_chosen_by_cross_fitting_per_layer():
     exactly its plain error on the pool: a check that the folds add up."""
     from latte_plugin.core.calibration import correction_candidates, reconstruction_error
 
-    model = ToyEncoder().eval()
-    swap_attention(model, ["layers.*.attn"])
-    batches = toy_batches(n=10)
-    layer, fit_rec = _record(model, batches[:6], "layers.2.attn")
-    _, choose_rec = _record(model, batches[6:8], "layers.2.attn")
-    _, report_rec = _record(model, batches[8:], "layers.2.attn")
+    layer, fit_rec, choose_rec, report_rec = _three_roles()
     res = fit_layer(layer, fit_rec.items, steps=5, correction="auto", choose=choose_rec.items,
                     report=report_rec.items)
     cv = res.choice["correction"]
