@@ -86,7 +86,7 @@ def parity_table() -> str:
              f"{r['detectron2_AP']:.2f}", f"{abs(100 * r['mmdet_bbox_mAP'] - r['detectron2_AP']):.2f}"]
             for r in res["rows"]]
     head = ["model", "checkpoint", "LATTE state", "mmdet CocoMetric bbox mAP", "detectron2 COCOEvaluator AP",
-            "|difference| (AP points)"]
+            "difference (AP points)"]
     return _table(head, rows) + f"\n\nMade by `{res['command']}` (detectron2 at commit {res['detectron2_commit'][:8]})."
 
 
