@@ -51,6 +51,7 @@ def progress(it: Iterable, total: int, desc: str) -> Iterator:
         return
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:  # rich is optional for the library
         yield from it
@@ -62,7 +63,7 @@ def progress(it: Iterable, total: int, desc: str) -> Iterator:
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
-        task = bar.add_task(text, total=total)
+        task = bar.add_task(escape(text), total=total)  # "[latte]" is not rich markup
         for x in it:
             yield x
             bar.advance(task)
