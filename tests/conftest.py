@@ -38,24 +38,25 @@ OPTIONAL = {"detectron2": "detectron2 is not installed (bash tools/test.sh insta
 def require(module: str):
     """Imports an optional framework, or skips the calling test module with the reason.
 
-    Only a *missing* optional framework skips (``ModuleNotFoundError`` for that framework
-    itself). Any other import error, e.g. a broken import inside our own adapter or inside an
-    installed framework, propagates and fails the run. Under CI (``CI=true``) the README's set-up
-    installs the mmdet stack, so a missing one there is a failure, not a skip.
+    Only an ``ImportError`` raised while importing the framework itself skips: the framework is
+    missing, or installed so that it cannot be imported (a build without its C extension, a
+    missing dependency). Anything else propagates and fails the run: another exception type
+    (a bug), a name that is not an optional framework, and every import error in our own
+    adapters, which test modules import after ``require``. Under CI (``CI=true``) the README's
+    set-up installs the mmdet stack, so a missing one there is a failure, not a skip.
     """
     import importlib
 
     top = module.split(".")[0]
+    if top not in OPTIONAL:
+        raise ValueError(f"{module!r} is not an optional framework ({', '.join(OPTIONAL)}); import it directly")
     try:
         return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        # the framework itself (or the exact submodule asked for, e.g. detectron2._C) is absent;
-        # anything missing deeper down is a broken install or a bug: fail loudly
-        if top not in OPTIONAL or e.name not in (top, module):
-            raise
+    except ImportError as e:
         if os.environ.get("CI") and top in ("mmdet", "mmcv", "mmengine"):
             pytest.fail(f"{module} must be installed in CI (tools/setup_env.sh installs it): {e}", pytrace=False)
-        reason = OPTIONAL[top] if e.name == top else f"{module} is not importable: {e}"
+        missing = isinstance(e, ModuleNotFoundError) and e.name == top
+        reason = OPTIONAL[top] if missing else f"{module} cannot be imported ({e}): {OPTIONAL[top]}"
         pytest.skip(reason, allow_module_level=True)
 
 
