@@ -566,17 +566,11 @@ def fit_layer(
 ) -> FitResult:
     """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
 
-    ``m`` (so alpha) starts at the softmax-weighted mean score, then :func:`grid_start` and
-    :func:`lbfgs_refine` minimise the MSE against the recorded softmax outputs (loss and
-    gradients summed across ranks). ``jpn_only`` keeps ``m = 1`` and ``qtvit`` has no anchor.
-    The output correction is then fitted in closed form on the fit items only; with
-    ``correction='auto'`` it is chosen per layer among none, sigma and the refit at each
-    strength by k-fold cross-fitting over the fit and choice items together
-    (:func:`cross_fit_correction`), then fitted on all of them.
-
-    Three disjoint sets of images play three roles: ``items`` are fitted on; ``choose`` items
-    choose the knobs (L-BFGS iterations, ridge strength); ``report`` items are fitted on by
-    nothing and choose nothing, so their errors are honest held-out figures.
+    ``m`` (so alpha) starts at the softmax-weighted mean score; :func:`grid_start` and
+    :func:`lbfgs_refine` minimise the MSE against the recorded softmax outputs (``jpn_only``
+    keeps ``m = 1``; ``qtvit`` has no anchor); then the output correction (:func:`_fit_correction`).
+    Three disjoint sets of images play three roles: ``items`` are fitted on, ``choose`` items
+    choose the knobs, ``report`` items only give honest held-out errors.
 
     Args:
         layer: the layer whose buffers are set.
@@ -611,24 +605,32 @@ def fit_layer(
     layer.m.copy_(m.expand(layer.num_heads))
     layer.log_rho.copy_(log_rho.expand(layer.num_heads))
 
-    if correction == "auto":
-        name, cv, sums = cross_fit_correction(layer, list(items) + list(choose or []), refit_regs)
-        kind, reg = correction_candidates(refit_regs)[name]
-        cands = correction_candidates(refit_regs)
-        choice = {"steps": step_trace, "correction": cv}
-    else:
-        sums = _normal_sums(layer, fit.groups, all_reduce)
-        choose_sums = _normal_sums(layer, chooser.groups, all_reduce) if chooser is not None else None
-        reg, reg_trace = choose_refit_reg(sums, choose_sums, refit_regs) if correction == "refit" else (None, {})
-        name, kind = correction, correction
-        cands = {c: (c, reg if reg is not None else REFIT_FALLBACK) for c in ("none", "sigma", "refit")}
-        choice = {"steps": step_trace, "refit_reg": reg_trace}
+    name, (kind, reg), sums, cands, choice = _fit_correction(layer, correction, fit, chooser, items, choose,
+                                                             refit_regs, all_reduce)
     apply_correction(layer, kind, correction_weights(kind, sums, reg))
     layer.calibrated.fill_(True)
     heldout = _report_errors(layer, sums, report or [], all_reduce, cands) if float(counts[2]) > 0 else {}
     return FitResult(initial_mse=initial, final_mse=reconstruction_error(layer, items, all_reduce),
                      alpha_init=alpha0, heldout_mse=heldout.get(name), steps=n_steps,
-                     refit_reg=reg if kind == "refit" else None, choice=choice, heldout=heldout, correction=name)
+                     refit_reg=reg if kind == "refit" else None, choice={"steps": step_trace, **choice},
+                     heldout=heldout, correction=name)
+
+
+def _fit_correction(layer: LatteParams, correction: str, fit: _Stacked, chooser: Optional[_Stacked],
+                    items: list[RecordedItem], choose: Optional[list[RecordedItem]], refit_regs: tuple,
+                    all_reduce: AllReduce) -> tuple:
+    """The correction to apply: ``(name, (kind, strength), sums it is fitted on, candidates to
+    report on, {what chose it})``. ``auto`` cross-fits over the fit and choice items; a fixed
+    correction is fitted on the fit items, the refit's strength chosen on the choice items."""
+    if correction == "auto":
+        name, cv, sums = cross_fit_correction(layer, list(items) + list(choose or []), refit_regs)
+        cands = correction_candidates(refit_regs)
+        return name, cands[name], sums, cands, {"correction": cv}
+    sums = _normal_sums(layer, fit.groups, all_reduce)
+    choose_sums = _normal_sums(layer, chooser.groups, all_reduce) if chooser is not None else None
+    reg, reg_trace = choose_refit_reg(sums, choose_sums, refit_regs) if correction == "refit" else (None, {})
+    cands = {c: (c, reg if reg is not None else REFIT_FALLBACK) for c in ("none", "sigma", "refit")}
+    return correction, (correction, reg), sums, cands, {"refit_reg": reg_trace}
 
 
 def _report_errors(layer: LatteParams, sums: dict[str, Tensor], report: list[RecordedItem],
