@@ -579,13 +579,11 @@ def fit_layer(
         correction: one of :data:`CORRECTIONS` (``auto``: chosen per layer by cross-fitting).
         all_reduce: sums a tensor across ranks in place.
         per_head: one ``(m, log_rho)`` per head; else one pair shared by the layer (the paper).
-        choose: recordings of the images that choose the knobs (optional).
-        report: recordings of the images the held-out errors are reported on (optional).
+        choose, report: recordings of the choice and report images (optional).
         refit_regs: ridge strengths compared on ``choose`` (one value: used as is).
 
     Raises:
-        ValueError: no recorded items on any rank; an unknown correction; ``refit`` with several
-            strengths and no choice items.
+        ValueError: no recorded items; an unknown correction; several refit strengths, no choice items.
     """
     if correction not in CORRECTIONS:
         raise ValueError(f"unknown output correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
