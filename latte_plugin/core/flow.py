@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from . import flops as flops_mod
-from .calibration import CORRECTIONS, REFIT_FALLBACK, REFIT_REGS, AllReduce, LayerRecorder, fit_layer, share_items
+from .calibration import (CORRECTIONS, REFIT_FALLBACK, REFIT_REGS, AllReduce, LayerRecorder, _no_reduce, fit_layer,
+                          share_items)
 from .kernels import VARIANTS
 from .layer import MODES, LatteParams
 from .selection import SensitivityStats, backward_select, greedy_select, num_linear_layers, select_by_score
@@ -297,17 +298,13 @@ def _refit_regs(cfg: LatteConfig, split: CalibrationSplit, log: Callable[[str], 
     return regs
 
 
-def _identity(t: Tensor) -> Tensor:
-    return t
-
-
 def fit_layers(layers: dict[str, LatteParams], group: list[str], recs: dict, cfg: LatteConfig,
                refit_regs: tuple, log: Callable[[str], None]) -> dict[str, dict]:
     """Fits each layer of ``group`` on its ``fit`` records (knobs on ``choose``, errors on ``report``)."""
     fits = {}
     for n in group:
         # every rank holds every item (share_items): no all-reduce, so the sums run in one fixed order
-        res = fit_layer(layers[n], recs["fit"][n].items, cfg.steps, cfg.lr, cfg.correction, _identity, cfg.per_head,
+        res = fit_layer(layers[n], recs["fit"][n].items, cfg.steps, cfg.lr, cfg.correction, _no_reduce, cfg.per_head,
                         choose=recs["choose"][n].items, report=recs["report"][n].items, refit_regs=refit_regs)
         fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
                    "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
