@@ -2,8 +2,11 @@
 
 * :func:`linearize` - the framework-free flow on any PyTorch / HF ``transformers`` model.
 * :mod:`latte_plugin.core` - the math and the flow (torch only).
+* :mod:`latte_plugin.adapter` - the one adapter protocol every framework implements.
 * :mod:`latte_plugin.mmdet` - MMDetection adapter (``LATTEAttention``, ``LinearizeHook``, ``HFRTDETR``).
+* :mod:`latte_plugin.detectron2` - detectron2 adapter (``LatteRTDETR``, ``LatteDETR``, ``LinearizeHook``).
 """
-from .linearize import linearize, swap_attention
+from .adapter import Adapter, calibrate, swap_attention
+from .linearize import linearize
 
-__all__ = ["linearize", "swap_attention"]
+__all__ = ["linearize", "swap_attention", "Adapter", "calibrate"]

@@ -252,7 +252,7 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, tmp_path, name):
     else:
         hf_dir = str(tmp_path / "hf")
         _hf_rtdetr("r50vd").save_pretrained(hf_dir)
-        overrides.append(f"model.model_overrides.pretrained={hf_dir}")
+        overrides.append(f"model.pretrained={hf_dir}")
     env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, script, "--eval-only", "--config-file",
                           os.path.join(ROOT, "configs", "detectron2", name), *overrides],

@@ -7,7 +7,7 @@ import torch
 
 from latte_plugin.core import (LatteConfig, LatteMultiheadAttention, LayerRecorder, calibrate_model,
                                find_latte_layers, fit_layer, naive_sensitivity_score, num_linear_layers,
-                               select_by_score, set_modes, swap_attention)
+                               select_by_score, set_modes, swap_mha)
 from latte_plugin.core.flops import exact_attention_flops, layer_flops, linear_attention_flops
 from latte_plugin.core.selection import SensitivityStats, backward_select, greedy_select
 from tests.toy import ToyEncoder, toy_batches
@@ -29,7 +29,7 @@ def test_fit_lowers_reconstruction_error_and_is_deterministic(variant):
     results = []
     for _ in range(2):
         model = ToyEncoder().eval()
-        swap_attention(model, ["layers.*.attn"], variant)
+        swap_mha(model, ["layers.*.attn"], variant)
         layer, rec = _record(model, toy_batches(), "layers.2.attn")
         layer.variant = variant
         res = fit_layer(layer, rec.items, steps=20)
@@ -40,7 +40,7 @@ def test_fit_lowers_reconstruction_error_and_is_deterministic(variant):
 
 def test_recorder_memory_is_bounded():
     model = ToyEncoder().eval()
-    swap_attention(model, ["layers.0.attn"])
+    swap_mha(model, ["layers.0.attn"])
     _, rec = _record(model, toy_batches(n=20, b=3), "layers.0.attn")
     assert rec.seen == 60 and len(rec.items) == 60
     rec2 = LayerRecorder("x", max_items=5, max_queries=7)
@@ -93,7 +93,7 @@ def test_greedy_select_picks_least_harmful_first():
 
 def _flow(cfg, seed=0):
     model = ToyEncoder(seed=seed).eval()
-    swap_attention(model, cfg.candidates, cfg.variant)
+    swap_mha(model, cfg.candidates, cfg.variant)
     rep = calibrate_model(model, toy_batches(), lambda b: model(b), cfg, log=lambda s: None)
     return model, rep
 
@@ -176,10 +176,10 @@ def test_modes_and_bad_settings():
     with pytest.raises(ValueError, match="unknown attention mode"):
         lat.latte.mode = "fast"
     with pytest.raises(ValueError, match="matches no attention module"):
-        swap_attention(ToyEncoder(), ["encoder.*"])
+        swap_mha(ToyEncoder(), ["encoder.*"])
     with pytest.raises(ValueError, match="empty calibration set"):
         m = ToyEncoder()
-        swap_attention(m, ["layers.*.attn"])
+        swap_mha(m, ["layers.*.attn"])
         calibrate_model(m, [], lambda b: m(b), LatteConfig(candidates=["layers.*.attn"]))
     with pytest.raises(ValueError, match="unknown LATTE setting"):
         LatteConfig.from_dict({"ratioo": 0.5})
@@ -191,7 +191,7 @@ def test_state_dict_round_trip_restores_hybrid(tmp_path):
     path = tmp_path / "ckpt.pth"
     torch.save(model.state_dict(), path)
     fresh = ToyEncoder(seed=3)
-    swap_attention(fresh, cfg.candidates)
+    swap_mha(fresh, cfg.candidates)
     fresh.load_state_dict(torch.load(path, weights_only=True))
     x = toy_batches(n=1)[0]
     with torch.no_grad():
@@ -201,7 +201,7 @@ def test_state_dict_round_trip_restores_hybrid(tmp_path):
 
 def test_per_head_fit_is_at_least_as_good_as_shared():
     model = ToyEncoder().eval()
-    swap_attention(model, ["layers.*.attn"])
+    swap_mha(model, ["layers.*.attn"])
     layer, rec = _record(model, toy_batches(), "layers.3.attn")
     shared = fit_layer(layer, rec.items, steps=15).final_mse
     assert len(set(layer.m.tolist())) == 1
@@ -213,7 +213,7 @@ def test_per_head_fit_is_at_least_as_good_as_shared():
 def _three_roles():
     """Layer 2 of the toy encoder with recordings of 6 fit, 2 choice and 2 report batches."""
     model = ToyEncoder().eval()
-    swap_attention(model, ["layers.*.attn"])
+    swap_mha(model, ["layers.*.attn"])
     batches = toy_batches(n=10)
     layer, fit_rec = _record(model, batches[:6], "layers.2.attn")
     _, choose_rec = _record(model, batches[6:8], "layers.2.attn")
@@ -271,7 +271,7 @@ def test_report_images_change_no_fitted_parameter_only_the_heldout_figures():
     runs = []
     for data in (batches, changed):
         model = ToyEncoder().eval()
-        swap_attention(model, ["layers.*.attn"])
+        swap_mha(model, ["layers.*.attn"])
         rep = calibrate_model(model, data, lambda b: model(b), LatteConfig(**cfg), log=lambda s: None)
         runs.append((_state(model), rep))
     (s0, r0), (s1, r1) = runs
@@ -287,7 +287,7 @@ def test_report_images_change_no_fitted_parameter_only_the_heldout_figures():
 @pytest.mark.parametrize("selection", ["greedy", "backward"])
 def test_flow_reports_heldout_split_and_distortion(selection):
     model = ToyEncoder().eval()
-    swap_attention(model, ["layers.*.attn"])
+    swap_mha(model, ["layers.*.attn"])
     rep = calibrate_model(model, toy_batches(n=8), lambda b: model(b),
                           LatteConfig(candidates=["layers.*.attn"], ratio=0.67, steps=5, selection=selection,
                                       correction="refit", holdout=0.25), log=lambda s: None)
@@ -334,7 +334,7 @@ def test_auto_selection_and_accuracy_target():
     target= makes as many layers linear as the budget allows, monotone in the budget."""
     def run(**kw):
         model = ToyEncoder().eval()
-        swap_attention(model, ["layers.*.attn"])
+        swap_mha(model, ["layers.*.attn"])
         return calibrate_model(model, toy_batches(n=8), lambda b: model(b),
                                LatteConfig(candidates=["layers.*.attn"], steps=3, **kw), log=lambda s: None)
 

@@ -180,7 +180,7 @@ def _launch_worker(out, data_root):
     torch.manual_seed(0)
     model = instantiate(cfg.model).eval()
     loader = instantiate(cfg.model.calibration_loader)  # InferenceSampler: shards across ranks
-    rep = d2p.calibrate_d2_model(model, loader, LatteConfig(candidates=["encoder.layers.*.self_attn"],
+    rep = d2p.calibrate_detector(model, loader, LatteConfig(candidates=["encoder.layers.*.self_attn"],
                                                             num_images=8, steps=5, max_queries=10000))
     if comm.is_main_process():
         layers = find_latte_layers(model)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_attention
+from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_mha
 from tests.toy import ToyEncoder, toy_batches
 
 # max_queries and max_items below what the data holds: the keyed query sampling and the
@@ -34,7 +34,7 @@ def _summary(model, rep):
 
 def _calibrate(batches, all_reduce=None, shard=(0, 1)):
     model = ToyEncoder().eval()
-    swap_attention(model, CFG["candidates"])
+    swap_mha(model, CFG["candidates"])
     rep = calibrate_model(model, batches, lambda b: model(b), LatteConfig(**CFG), all_reduce=all_reduce,
                           log=lambda s: None, shard=shard)
     return _summary(model, rep)

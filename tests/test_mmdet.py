@@ -96,7 +96,7 @@ def test_hook_calibrates_inside_a_real_runner(synthetic_data, tmp_path):
 def test_calibrate_tool_eval_and_checkpoint_reload(synthetic_data, tmp_path):
     from mmengine.runner import Runner
 
-    from latte_plugin.mmdet.tools import run_calibration
+    from latte_plugin.mmdet.workflow import run_calibration
 
     cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20)
     cfg_path = tmp_path / "tiny.py"
@@ -138,7 +138,7 @@ def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
     """mmdet's own tools/test.py on the calibrated checkpoint prints the linearized bbox_mAP."""
     import mmdet
 
-    from latte_plugin.mmdet.tools import run_calibration
+    from latte_plugin.mmdet.workflow import run_calibration
 
     cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20)
     cfg_path = tmp_path / "tiny.py"
@@ -235,7 +235,7 @@ def test_embedded_checkpoint_matches_its_config():
 def test_calibrated_checkpoint_from_another_config_is_refused(synthetic_data, tmp_path):
     from mmengine.runner import Runner
 
-    from latte_plugin.mmdet.tools import run_calibration
+    from latte_plugin.mmdet.workflow import run_calibration
 
     cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=2, steps=5)
     cfg_path = tmp_path / "tiny.py"

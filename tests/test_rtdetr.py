@@ -119,7 +119,7 @@ def test_rtdetr_trains_one_step_through_mmdet_loss(synthetic_data, tmp_path):
 
 
 def test_calibrate_tool_on_rtdetr_reports_exact_and_linearized_map(synthetic_data, tmp_path):
-    from latte_plugin.mmdet.tools import run_calibration
+    from latte_plugin.mmdet.workflow import run_calibration
 
     cfg = _cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=5)
     cfg_path = tmp_path / "rtdetr_tiny.py"

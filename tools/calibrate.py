@@ -117,22 +117,39 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+_RELATIVE_IMPORT = re.compile(r"^from\s+\.([\w.]*)\s+import", re.MULTILINE)
+
+
+def config_framework(path: str, _depth: int = 0) -> str:
+    """``'detectron2'`` for a detectron2 LazyConfig: a Python file that imports detectron2 or
+    ``latte_plugin.detectron2``, or imports (``from .base import ...``) a file that does.
+    Anything else is taken as an mmdet config (``'mmdet'``)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if re.search(r"^\s*(from|import)\s+(detectron2|latte_plugin\.detectron2)\b", text, re.MULTILINE):
+        return "detectron2"
+    if _depth < 8:
+        for mod in _RELATIVE_IMPORT.findall(text):
+            base = os.path.join(os.path.dirname(path), *mod.split(".")) + ".py"
+            if mod and os.path.exists(base) and config_framework(base, _depth + 1) == "detectron2":
+                return "detectron2"
+    return "mmdet"
+
+
 def run(args: argparse.Namespace) -> dict:
     """Calibrates (and evaluates) with the framework the config file belongs to."""
-    from latte_plugin.configs import config_framework
-
     common = dict(checkpoint=args.checkpoint, work_dir=args.work_dir, overrides=latte_overrides(args),
                   evaluate=args.eval, allow_partial_load=args.allow_partial_load)
     if config_framework(args.config) == "detectron2":
         try:
-            from latte_plugin.detectron2.tools import run_calibration_d2
+            from latte_plugin.detectron2.workflow import run_calibration as run_d2
         except ModuleNotFoundError as e:
             raise SystemExit(f"{args.config} is a detectron2 LazyConfig but detectron2 is not importable ({e}); "
                              "install it from its official source (README, 'Using it from Detectron2')") from e
-        return run_calibration_d2(args.config, opts=args.cfg_options, **common)
-    from latte_plugin.mmdet.tools import run_calibration
+        return run_d2(args.config, opts=args.cfg_options, **common)
+    from latte_plugin.mmdet.workflow import run_calibration
 
-    return run_calibration(args.config, cfg_options=args.cfg_options, launcher=args.launcher, **common)
+    return run_calibration(args.config, opts=args.cfg_options, launcher=args.launcher, **common)
 
 
 def main(argv=None) -> dict:

@@ -91,9 +91,10 @@ def run(a: argparse.Namespace) -> dict:
 
     from latte_plugin.core.flow import LatteConfig
     from latte_plugin.core.io import atomic_write_json
-    from latte_plugin.mmdet.calibrate import build_calibration_loader, calibration_batches, linearize_model
+    from latte_plugin.adapter import take_batches
+    from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader, linearize_model
     from main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
-    from latte_plugin.mmdet.tools import save_calibrated_checkpoint
+    from latte_plugin.mmdet.workflow import save_calibrated_checkpoint
     from latte_plugin.viz import plot_kept, plot_sensitivity
 
     t0 = time.time()
@@ -115,7 +116,7 @@ def run(a: argparse.Namespace) -> dict:
     runner = Runner.from_cfg(cfg)
     linearize_model(runner.model, base)
     runner.load_or_resume()
-    batches = calibration_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images)
+    batches = take_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images, 1, ADAPTER.batch_len)
     rows = [r for r in ROWS if not a.rows or r.name in a.rows]
     ckpt_path = os.path.join(a.work_dir, CKPT_NAME)
     default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(

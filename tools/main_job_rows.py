@@ -19,7 +19,7 @@ from mmengine.logging import print_log
 from latte_plugin.console import say, set_label
 from latte_plugin.core.flow import LatteConfig, attention_gflops, find_latte_layers, set_modes
 from latte_plugin.mmdet.calibrate import calibrate_detector, detector_forward, unwrap
-from latte_plugin.mmdet.tools import evaluate_bbox
+from latte_plugin.mmdet.workflow import evaluate_bbox
 
 __all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "run_rows", "encoder_latency", "latency_modules"]
 

@@ -3,13 +3,8 @@
 # For tests and quick checks only (random weights unless a checkpoint is given).
 _base_ = './embedded/rtdetr_r18_synthetic.py'
 
-hidden = 32
 model = dict(
-    hf_config=dict(
-        backbone_config=dict(embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1]),
-        encoder_in_channels=[32, 64, 64], encoder_hidden_dim=hidden, encoder_ffn_dim=2 * hidden,
-        encoder_attention_heads=2, d_model=hidden, decoder_in_channels=[hidden] * 3,
-        decoder_ffn_dim=2 * hidden, decoder_attention_heads=2, num_queries=30, num_denoising=10),
+    hf_config='{{fileDirname}}/../hf/rtdetr_tiny.json',  # transformers.RTDetrConfig keywords
     test_cfg=dict(max_per_img=30))
 train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False)
 val_dataloader = dict(batch_size=4)

@@ -7,12 +7,12 @@ from .flow import LatteConfig, calibrate_model, find_latte_layers, match_candida
 from .io import atomic_write_json, atomic_torch_save
 from .kernels import VARIANTS
 from .layer import MODES, LatteParams
-from .mha import LatteMultiheadAttention, latte_mha_forward, project_mha, swap_attention
+from .mha import LatteMultiheadAttention, latte_mha_forward, project_mha, swap_mha
 from .selection import greedy_select, naive_sensitivity_score, num_linear_layers, select_by_score
 
 __all__ = [
     "VARIANTS", "MODES", "LatteParams", "LatteConfig", "LayerRecorder", "calibrate_model", "fit_layer",
     "reconstruction_error", "find_latte_layers", "match_candidates", "set_modes", "latte_mha_forward",
     "project_mha", "greedy_select", "naive_sensitivity_score", "num_linear_layers", "select_by_score",
-    "atomic_write_json", "atomic_torch_save", "LatteMultiheadAttention", "swap_attention",
+    "atomic_write_json", "atomic_torch_save", "LatteMultiheadAttention", "swap_mha",
 ]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .layer import LatteParams, merge_heads
 
-__all__ = ["project_mha", "latte_mha_forward", "LatteMultiheadAttention", "swap_attention"]
+__all__ = ["project_mha", "latte_mha_forward", "LatteMultiheadAttention", "swap_mha"]
 
 
 def project_mha(
@@ -139,9 +139,7 @@ class LatteMultiheadAttention(nn.MultiheadAttention):
         return out, None
 
 
-def swap_attention(
-    model: nn.Module, patterns: Sequence[str], variant: str = "latte"
-) -> list[str]:
+def swap_mha(model: nn.Module, patterns: Sequence[str], variant: str = "latte") -> list[str]:
     """Replaces every ``nn.MultiheadAttention`` named by ``patterns`` with :class:`LatteMultiheadAttention`.
 
     A pattern may name the ``nn.MultiheadAttention`` itself or a wrapper that holds one as

@@ -1,15 +1,16 @@
 """Detectron2 adapter (needs detectron2 installed from its official source; see README).
 
-* :class:`MMDetDetector`, :class:`LatteDETR`, :class:`LatteRTDETR`: meta-architectures in
-  ``META_ARCH_REGISTRY``, usable with ``L(...)`` in LazyConfig; same implementations and
-  checkpoints as the mmdet side.
-* :class:`LinearizeHook` (``HookBase``) and :func:`calibrate_d2_model` behind it.
+* :class:`LatteRTDETR` (HF transformers only, no mmdet or mmcv), :class:`MMDetDetector` and
+  :class:`LatteDETR` (mmdet's DETR family): meta-architectures in ``META_ARCH_REGISTRY``,
+  usable with ``L(...)`` in LazyConfig; same implementations and checkpoints as the mmdet side.
+* :class:`LinearizeHook` (``HookBase``) and :func:`calibrate_detector` behind it.
 * :func:`register_synthetic` registers the embedded generated dataset.
 """
-from .calibrate import calibrate_d2_model, take_images
+from .calibrate import Detectron2Adapter, calibrate_detector
 from .data import register_synthetic
 from .hook import LinearizeHook
-from .meta_arch import LatteDETR, LatteRTDETR, MMDetDetector
+from .meta_arch import LatteDETR, LatteMetaArch, LatteRTDETR, MMDetDetector
 
-__all__ = ["MMDetDetector", "LatteDETR", "LatteRTDETR", "LinearizeHook", "calibrate_d2_model", "take_images",
+__all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteRTDETR", "LinearizeHook", "calibrate_detector",
+           "Detectron2Adapter",
            "register_synthetic"]

@@ -1,4 +1,5 @@
-"""The plain function behind detectron2's :class:`LinearizeHook` and ``tools/calibrate.py``.
+"""The plain function behind detectron2's :class:`LinearizeHook`, the meta-architectures'
+self-calibration and ``tools/calibrate.py``.
 
 Like the mmdet side (and mmpretrain's ``precise_bn_hook``): unwrap DDP, take an ``islice``
 of the train loader (``TrainingSampler`` never ends), run the core flow under ``no_grad``
@@ -6,10 +7,8 @@ and all-reduce its statistics across ranks through ``detectron2.utils.comm``.
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import math
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,66 +16,61 @@ from torch import nn
 
 from detectron2.utils import comm
 
-from ..console import progress
-from ..core.flow import LatteConfig, calibrate_model
-from ..linearize import swap_attention
+from ..adapter import Adapter, calibrate
+from ..core.flow import LatteConfig
 
-__all__ = ["unwrap", "take_images", "calibrate_d2_model"]
+__all__ = ["Detectron2Adapter", "unwrap", "calibrate_detector"]
 
 logger = logging.getLogger("detectron2")
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+class Detectron2Adapter(Adapter):
+    """detectron2's ranks (``comm``) and logger; batches are lists of dataset dicts, run
+    through the meta-architecture's ``tensor_forward`` (raw head outputs)."""
+
+    data_hint = "check the dataset registered for the train split"
+
+    def world(self) -> tuple[int, int]:
+        return comm.get_rank(), comm.get_world_size()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if comm.get_world_size() > 1:
+            dist.all_reduce(t)
+        return t
+
+    def forward(self, model: nn.Module):
+        return model.tensor_forward
+
+    def batch_len(self, batch: Any) -> int:
+        return len(batch)
+
+    def positions(self, data: Any, batches: Sequence[Any]) -> Optional[list[int]]:
+        # TrainingSampler deals images round-robin (the core's default); InferenceSampler gives each
+        # rank a contiguous block, so pass the global positions for a rank-invariant held-out split.
+        local = getattr(getattr(data, "sampler", None), "_local_indices", None)
+        if local is None or getattr(data, "batch_size", 0) != 1:
+            return None
+        return list(local)[: len(batches)]
+
+    def log(self, line: str) -> None:
+        logger.info(line)
 
 
-def take_images(loader: Iterable, num_images: int) -> list[list[dict]]:
-    """This rank's share of ``num_images`` images as loader batches (an islice: the loader may be endless)."""
-    per_rank = math.ceil(num_images / comm.get_world_size())
-    batches, seen = [], 0
-    for batch in itertools.islice(loader, per_rank):
-        batches.append(batch)
-        seen += len(batch)
-        if seen >= per_rank:
-            break
-    if not batches:
-        raise ValueError(f"empty calibration set: the calibration loader yielded no images (asked for {num_images}); "
-                         "check the dataset registered for the train split")
-    return batches
+ADAPTER = Detectron2Adapter()
+unwrap = ADAPTER.unwrap
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if comm.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
-
-
-@torch.no_grad()
-def calibrate_d2_model(model: nn.Module, loader: Iterable, cfg: LatteConfig,
-                       log: Optional[logging.Logger] = None) -> dict:
-    """Swaps (if needed), calibrates and selects on images from ``loader``; leaves the model hybrid.
+def calibrate_detector(model: nn.Module, data: Iterable, cfg: LatteConfig) -> dict:
+    """Swaps (if needed), calibrates and selects on images from ``data``; leaves the model hybrid.
 
     Args:
-        model: an :class:`~latte_plugin.detectron2.MMDetDetector` (DDP-wrapped or not).
-        loader: a detectron2 loader over the train split (lists of dataset dicts).
+        model: a LATTE meta-architecture (:class:`~latte_plugin.detectron2.LatteRTDETR`,
+            :class:`~latte_plugin.detectron2.MMDetDetector`), DDP-wrapped or not.
+        data: a detectron2 loader over the train split (lists of dataset dicts); an ``islice``
+            of ``cfg.num_images`` images is taken.
         cfg: the LATTE settings.
 
     Returns:
         The core report (see :func:`latte_plugin.core.flow.calibrate_model`).
     """
-    log = log or logger
-    model = unwrap(model)
-    cfg.validate()
-    swap_attention(model, cfg.candidates, cfg.variant)
-    batches = take_images(loader, cfg.num_images)
-    # TrainingSampler deals images round-robin (the core's default); InferenceSampler gives each
-    # rank a contiguous block, so pass the global positions for a rank-invariant held-out split.
-    local = getattr(getattr(loader, "sampler", None), "_local_indices", None)
-    positions = list(local)[: len(batches)] if local is not None and getattr(loader, "batch_size", 0) == 1 else None
-    report = calibrate_model(
-        model, batches, model.tensor_forward, cfg, all_reduce=_all_reduce_sum, log=log.info,
-        progress=progress, shard=(comm.get_rank(), comm.get_world_size()), positions=positions,
-    )
-    log.info(f"[latte] linearized {len(report['linearized'])}/{len(report['candidates'])}: {report['linearized']}")
-    return report
+    return calibrate(ADAPTER, model, data, cfg)

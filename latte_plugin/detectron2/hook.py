@@ -6,8 +6,8 @@ from typing import Any, Optional
 from detectron2.engine import HookBase
 
 from ..core.flow import LatteConfig, needs_calibration
-from ..linearize import swap_attention
-from .calibrate import calibrate_d2_model, unwrap
+from ..adapter import swap_attention
+from .calibrate import calibrate_detector, unwrap
 
 __all__ = ["LinearizeHook"]
 
@@ -32,4 +32,4 @@ class LinearizeHook(HookBase):
         swap_attention(model, self.cfg.candidates, self.cfg.variant)
         if needs_calibration(model, self.cfg.calibrate):
             loader = self.loader if self.loader is not None else self.trainer.data_loader
-            self.report = calibrate_d2_model(self.trainer.model, loader, self.cfg)
+            self.report = calibrate_detector(self.trainer.model, loader, self.cfg)

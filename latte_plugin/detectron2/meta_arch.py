@@ -1,9 +1,14 @@
 """DETR-family and RT-DETR detectors as detectron2 meta-architectures.
 
-The models are the *same implementations* as on the mmdet side: :class:`MMDetDetector`
-builds an mmdet detector from an mmdet config (mmdet's DETR family, or
-:class:`latte_plugin.mmdet.HFRTDETR` for RT-DETR) and adopts its children, so its
-``state_dict`` keys are mmdet's and one checkpoint evaluates in both frameworks.
+The models are the *same implementations* as on the mmdet side, with the same
+``state_dict`` keys, so one checkpoint evaluates in both frameworks:
+
+* :class:`LatteRTDETR` holds HF's ``RTDetrForObjectDetection`` as ``hf`` (the keys of
+  :class:`latte_plugin.mmdet.HFRTDETR`). It needs torch, detectron2 and transformers only:
+  neither mmdet nor mmcv.
+* :class:`MMDetDetector` (and :class:`LatteDETR`) builds an mmdet detector from an mmdet
+  config (the DETR family) and adopts its children; it needs mmdet.
+
 Only the interfaces are adapted: detectron2's list of dicts in, ``Instances`` out.
 
 LATTE is switched on by the ``latte`` argument (a dict of
@@ -26,15 +31,14 @@ from torch import nn
 from detectron2.modeling import META_ARCH_REGISTRY
 from detectron2.structures import Boxes, Instances
 
+from ..adapter import swap_attention
 from ..core.flow import LatteConfig, find_latte_layers, needs_calibration
 from ..core.io import CheckpointError, key_mismatch, mismatch_message
-from ..linearize import swap_attention
+from ..hf.rtdetr import build_rtdetr, rtdetr_postprocess, rtdetr_targets
 
-__all__ = ["MMDetDetector", "LatteDETR", "LatteRTDETR"]
+__all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteRTDETR"]
 
 logger = logging.getLogger("detectron2")
-#: The repository's configs/ (default configs resolve against it, not the working directory).
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def _plain(value: Any) -> Any:
@@ -67,22 +71,151 @@ def _build_mmdet_model(mmdet_config: str, overrides: Optional[dict] = None) -> n
     return MODELS.build(model_cfg)
 
 
-@META_ARCH_REGISTRY.register()
-class MMDetDetector(nn.Module):
-    """An mmdet detector in detectron2's interface.
+class LatteMetaArch(nn.Module):
+    """What every LATTE meta-architecture shares: the ``latte`` settings, self-calibration at
+    the first evaluation forward, and a strict checkpoint load.
 
     Args:
-        mmdet_config: path of the mmdet config whose ``model`` is built (the same config and
-            checkpoint as on the mmdet side).
         latte: LATTE settings (``LatteConfig`` fields; ``calibrate``: ``auto`` calibrates
             uncalibrated LATTE layers at the first evaluation forward, ``always`` calibrates
             there even if a checkpoint gave them state, ``never`` requires a calibrated
             checkpoint). ``None``: no LATTE.
         calibration_loader: a LazyCall'd detectron2 loader over the train split (or a built
             one); used when the model calibrates itself.
-        model_overrides: keys merged into the mmdet model config.
         allow_partial_load: accept a checkpoint whose keys do not match the model's beyond
             LATTE's buffers (by default ``load_state_dict`` refuses it with one error line).
+
+    Subclasses build their modules first, then call :meth:`_setup_latte`, and implement
+    ``tensor_forward(batched_inputs)`` (raw head outputs, what calibration compares).
+    """
+
+    def _setup_latte(self, latte: Optional[dict], calibration_loader: Any, allow_partial_load: bool) -> None:
+        latte = _plain(latte)
+        self.latte_cfg = LatteConfig.from_dict(dict(latte)) if latte else None
+        self._calibration_loader = calibration_loader
+        self._calibrated_here = False
+        if self.latte_cfg is not None:
+            swap_attention(self, self.latte_cfg.candidates, self.latte_cfg.variant)
+        self.allow_partial_load = bool(allow_partial_load)
+        self.register_load_state_dict_post_hook(_refuse_mismatched_keys)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parameters())).device
+
+    @staticmethod
+    def to_instances(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, height: int,
+                     width: int) -> Instances:
+        inst = Instances((height, width))
+        inst.pred_boxes = Boxes(boxes.detach())
+        inst.scores = scores.detach()
+        inst.pred_classes = labels.detach().long()
+        return inst
+
+    def calibration_loader(self) -> Any:
+        """The calibration loader, built from its LazyCall config on first use (``None`` if not given)."""
+        loader = self._calibration_loader
+        if loader is not None and not hasattr(loader, "__iter__"):
+            from detectron2.config import instantiate
+
+            loader = self._calibration_loader = instantiate(loader)
+        return loader
+
+    def _maybe_calibrate(self) -> None:
+        if self.latte_cfg is None or self._calibrated_here or not find_latte_layers(self):
+            return
+        if not needs_calibration(self, self.latte_cfg.calibrate):
+            return
+        loader = self.calibration_loader()
+        if loader is None:
+            raise ValueError("LATTE layers are not calibrated and the model has no calibration_loader: give "
+                             "model.calibration_loader, load a calibrated checkpoint, or set model.latte.calibrate='never'")
+        from .calibrate import calibrate_detector
+
+        logger.info("[latte] calibrating the LATTE layers on the train split now")
+        was_training = self.training
+        calibrate_detector(self, loader, self.latte_cfg)
+        self._calibrated_here = True
+        self.train(was_training)
+
+
+@META_ARCH_REGISTRY.register()
+class LatteRTDETR(LatteMetaArch):
+    """RT-DETR: HF's ``RTDetrForObjectDetection`` as ``self.hf``, without mmdet or mmcv.
+
+    The same modules, keys and outputs as :class:`latte_plugin.mmdet.HFRTDETR` with its
+    configs' data preprocessor (BGR -> RGB, ``/255``, zero-padded to ``pad_size_divisor``),
+    so one checkpoint serves both frameworks.
+
+    Args:
+        hf_config: ``transformers.RTDetrConfig`` keywords, or the path of a JSON file holding
+            them (random initialisation). Default: HF's RT-DETR-R50vd on COCO.
+        pretrained: a local HF checkpoint directory (``config.json`` + ``model.safetensors``);
+            overrides ``hf_config``. hf_overrides: config keys applied on top of it.
+        max_per_img: detections kept per image (default: the number of queries, as HF).
+        pad_size_divisor: the batch is zero-padded to a multiple of this.
+        latte, calibration_loader, allow_partial_load: see :class:`LatteMetaArch`.
+    """
+
+    def __init__(self, hf_config: Any = None, pretrained: Optional[str] = None, hf_overrides: Optional[dict] = None,
+                 max_per_img: Optional[int] = None, pad_size_divisor: int = 32, latte: Optional[dict] = None,
+                 calibration_loader: Any = None, allow_partial_load: bool = False) -> None:
+        super().__init__()
+        self.hf = build_rtdetr(_plain(hf_config), pretrained, _plain(hf_overrides))
+        self.max_per_img = int(max_per_img or self.hf.config.num_queries)
+        self.pad_size_divisor = int(pad_size_divisor)
+        self._setup_latte(latte, calibration_loader, allow_partial_load)
+
+    def preprocess(self, batched_inputs: list[dict]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """``(pixel_values (B, 3, H, W) RGB in [0, 1] zero-padded, per image (h, w) before padding)``."""
+        images = [d["image"].to(self.device) for d in batched_inputs]
+        sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
+        div = self.pad_size_divisor
+        h = -(-max(s[0] for s in sizes) // div) * div
+        w = -(-max(s[1] for s in sizes) // div) * div
+        batch = images[0].new_zeros((len(images), 3, h, w), dtype=torch.float32)
+        for i, im in enumerate(images):
+            batch[i, :, : im.shape[-2], : im.shape[-1]] = im.flip(0).float() / 255.0  # BGR -> RGB, [0, 1]
+        return batch, sizes
+
+    def tensor_forward(self, batched_inputs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits (B, Q, C), pred_boxes (B, Q, 4))``: what calibration compares."""
+        pixels, _ = self.preprocess(batched_inputs)
+        out = self.hf(pixel_values=pixels)
+        return out.logits, out.pred_boxes
+
+    def forward(self, batched_inputs: list[dict]):
+        if self.training:
+            return self._losses(batched_inputs)
+        self._maybe_calibrate()
+        pixels, sizes = self.preprocess(batched_inputs)
+        out = self.hf(pixel_values=pixels)
+        hw = [tuple(pixels.shape[-2:])] * len(batched_inputs)
+        results = []
+        for (scores, labels, boxes), d, (h, w) in zip(
+                rtdetr_postprocess(out.logits, out.pred_boxes, hw, self.max_per_img), batched_inputs, sizes):
+            oh, ow = int(d.get("height", h)), int(d.get("width", w))
+            boxes = boxes / boxes.new_tensor([w / ow, h / oh, w / ow, h / oh])  # to the original image
+            results.append({"instances": self.to_instances(boxes, scores, labels, oh, ow)})
+        return results
+
+    def _losses(self, batched_inputs: list[dict]) -> dict:
+        pixels, _ = self.preprocess(batched_inputs)
+        gts = [d["instances"] for d in batched_inputs]
+        targets = rtdetr_targets([g.gt_boxes.tensor.to(self.device) for g in gts],
+                                 [g.gt_classes.to(self.device) for g in gts], tuple(pixels.shape[-2:]), pixels.dtype)
+        return {"loss": self.hf(pixel_values=pixels, labels=targets).loss}
+
+
+@META_ARCH_REGISTRY.register()
+class MMDetDetector(LatteMetaArch):
+    """An mmdet detector in detectron2's interface (needs mmdet; RT-DETR does not: :class:`LatteRTDETR`).
+
+    Args:
+        mmdet_config: path of the mmdet config whose ``model`` is built (the same config and
+            checkpoint as on the mmdet side), or ``mmdet::<path>`` for one shipped with mmdet.
+        model_overrides: keys merged into the mmdet model config.
+        latte, calibration_loader, allow_partial_load: see :class:`LatteMetaArch`.
     """
 
     def __init__(
@@ -94,28 +227,16 @@ class MMDetDetector(nn.Module):
         allow_partial_load: bool = False,
     ) -> None:
         super().__init__()
-        latte, model_overrides = _plain(latte), _plain(model_overrides)
-        det = _build_mmdet_model(mmdet_config, model_overrides)
+        det = _build_mmdet_model(mmdet_config, _plain(model_overrides))
         for name, child in det.named_children():  # mmdet's keys, so checkpoints are shared
             self.add_module(name, child)
         object.__setattr__(self, "_det", det)  # the same modules, not registered twice
-        self.latte_cfg = LatteConfig.from_dict(dict(latte)) if latte else None
-        self._calibration_loader = calibration_loader
-        self._calibrated_here = False
-        if self.latte_cfg is not None:
-            swap_attention(self, self.latte_cfg.candidates, self.latte_cfg.variant)
-        self.allow_partial_load = bool(allow_partial_load)
-        self.register_load_state_dict_post_hook(_refuse_mismatched_keys)
+        self._setup_latte(latte, calibration_loader, allow_partial_load)
 
     def train(self, mode: bool = True) -> "MMDetDetector":
         super().train(mode)
         self._det.training = mode  # the wrapped detector object itself (its children are ours)
         return self
-
-    # -- conversions ---------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.parameters())).device
 
     def to_mmdet(self, batched_inputs: list[dict], training: bool) -> dict:
         """detectron2 dicts (``image`` (C, H, W) in BGR, ``height``/``width`` of the original)
@@ -137,15 +258,6 @@ class MMDetDetector(nn.Module):
             samples.append(ds)
         return self._det.data_preprocessor({"inputs": inputs, "data_samples": samples}, training)
 
-    @staticmethod
-    def to_instances(pred, height: int, width: int) -> Instances:
-        inst = Instances((height, width))
-        inst.pred_boxes = Boxes(pred.bboxes.detach())
-        inst.scores = pred.scores.detach()
-        inst.pred_classes = pred.labels.detach().long()
-        return inst
-
-    # -- forward ---------------------------------------------------------------------------
     def tensor_forward(self, batched_inputs: list[dict]):
         """Raw head outputs (mmdet's ``mode='tensor'``): what calibration compares."""
         data = self.to_mmdet(batched_inputs, False)
@@ -159,33 +271,13 @@ class MMDetDetector(nn.Module):
         self._maybe_calibrate()
         data = self.to_mmdet(batched_inputs, False)
         preds = self._det(**data, mode="predict")
-        return [{"instances": self.to_instances(p.pred_instances, int(d.get("height", p.ori_shape[0])),
+        return [{"instances": self.to_instances(p.pred_instances.bboxes, p.pred_instances.scores,
+                                                p.pred_instances.labels, int(d.get("height", p.ori_shape[0])),
                                                 int(d.get("width", p.ori_shape[1])))}
                 for p, d in zip(preds, batched_inputs)]
 
-    def _maybe_calibrate(self) -> None:
-        if self.latte_cfg is None or self._calibrated_here or not find_latte_layers(self):
-            return
-        if not needs_calibration(self, self.latte_cfg.calibrate):
-            return
-        if self._calibration_loader is None:
-            raise ValueError("LATTE layers are not calibrated and the model has no calibration_loader: give "
-                             "model.calibration_loader, load a calibrated checkpoint, or set model.latte.calibrate='never'")
-        from .calibrate import calibrate_d2_model
 
-        loader = self._calibration_loader
-        if not hasattr(loader, "__iter__"):
-            from detectron2.config import instantiate
-
-            loader = instantiate(loader)
-        logger.info("[latte] calibrating the LATTE layers on the train split now")
-        was_training = self.training
-        calibrate_d2_model(self, loader, self.latte_cfg)
-        self._calibrated_here = True
-        self.train(was_training)
-
-
-def _refuse_mismatched_keys(module: "MMDetDetector", incompatible) -> None:
+def _refuse_mismatched_keys(module: LatteMetaArch, incompatible) -> None:
     """``load_state_dict`` post-hook: a checkpoint of another model is an error, not a warning."""
     if module.allow_partial_load:
         return
@@ -202,14 +294,4 @@ class LatteDETR(MMDetDetector):
     """DETR-family detector (mmdet's DETR / Conditional / DAB-DETR); default: DETR-R50 on COCO."""
 
     def __init__(self, mmdet_config: str = "mmdet::detr/detr_r50_8xb2-150e_coco.py", **kwargs) -> None:
-        super().__init__(mmdet_config, **kwargs)
-
-
-@META_ARCH_REGISTRY.register()
-class LatteRTDETR(MMDetDetector):
-    """RT-DETR (HF ``RTDetrForObjectDetection`` through ``HFRTDETR``); default: the plugin's
-    COCO ``rtdetr_r50vd`` mmdet config."""
-
-    def __init__(self, mmdet_config: str = os.path.join(CONFIGS, "mmdet", "rtdetr_r50vd_latte_coco.py"),
-                 **kwargs) -> None:
         super().__init__(mmdet_config, **kwargs)

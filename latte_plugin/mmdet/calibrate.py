@@ -8,9 +8,7 @@ all-reduce its statistics across ranks.
 from __future__ import annotations
 
 import copy
-import itertools
-import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 from mmengine.dist import all_reduce, get_rank, get_world_size
@@ -18,24 +16,41 @@ from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from torch import nn
 
-from ..console import progress
-from ..core.flow import LatteConfig, calibrate_model, find_latte_layers
-from ..linearize import swap_attention
+from ..adapter import Adapter, calibrate, swap_attention
+from ..core.flow import LatteConfig
 
-__all__ = [
-    "unwrap",
-    "linearize_model",
-    "build_calibration_loader",
-    "calibration_batches",
-    "detector_forward",
-    "calibrate_detector",
-    "format_layer_table",
-]
+__all__ = ["MMDetAdapter", "unwrap", "linearize_model", "build_calibration_loader", "detector_forward",
+           "calibrate_detector"]
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP / mmengine wrappers."""
-    return model.module if is_model_wrapper(model) else model
+class MMDetAdapter(Adapter):
+    """mmengine's wrappers, ranks and logger; batches are ``PackDetInputs`` dicts."""
+
+    data_hint = "check train_dataloader.dataset (ann_file, data_prefix)"
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if is_model_wrapper(model) else model
+
+    def world(self) -> tuple[int, int]:
+        return get_rank(), get_world_size()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if get_world_size() > 1:
+            all_reduce(t, op="sum")
+        return t
+
+    def forward(self, model: nn.Module):
+        return detector_forward(model)
+
+    def batch_len(self, batch: Any) -> int:
+        return len(batch["inputs"]) if isinstance(batch, dict) and "inputs" in batch else 1
+
+    def log(self, line: str) -> None:
+        print_log(line, logger="current")
+
+
+ADAPTER = MMDetAdapter()
+unwrap = ADAPTER.unwrap
 
 
 def linearize_model(model: nn.Module, cfg: LatteConfig) -> list[str]:
@@ -73,26 +88,6 @@ def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str
     return Runner.build_dataloader(loader_cfg, seed=seed)
 
 
-def calibration_batches(loader: Iterable, num_images: int, batch_size: int = 1) -> list:
-    """This rank's share of ``num_images`` images: an ``islice`` (train samplers may never end).
-
-    Raises:
-        ValueError: ``num_images`` smaller than the batch size (a partial batch would silently
-            calibrate on more images than asked), or an empty loader.
-    """
-    if num_images < batch_size:
-        raise ValueError(f"num_images={num_images} is smaller than the calibration batch size {batch_size}; "
-                         f"ask for at least {batch_size} images or lower calib_batch_size")
-    per_rank = math.ceil(num_images / get_world_size())
-    batches = list(itertools.islice(loader, math.ceil(per_rank / batch_size)))
-    if not batches:
-        raise ValueError(
-            f"empty calibration set: the train loader yielded no images (asked for {num_images}); "
-            "check train_dataloader.dataset (ann_file, data_prefix)"
-        )
-    return batches
-
-
 def detector_forward(model: nn.Module):
     """A ``forward(batch)`` running mmdet's data preprocessor and ``mode='tensor'`` (raw head outputs)."""
 
@@ -108,48 +103,16 @@ def detector_forward(model: nn.Module):
     return forward
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if get_world_size() > 1:
-        all_reduce(t, op="sum")
-    return t
-
-
-def format_layer_table(report: dict) -> str:
-    """A per-layer table of the calibration report, for the log."""
-    rows = [f"{'layer':42s} {'sens.':>10s} {'alpha':>8s} {'delta':>9s} {'mse0':>10s} {'mse':>10s}  state"]
-    for n in report["candidates"]:
-        p, f = report["params"][n], report["fit"][n]
-        state = "LINEAR" if n in report["linearized"] else "exact"
-        rows.append(f"{n:42s} {report['sensitivity'][n]:10.4e} {p['alpha']:8.4f} {p['delta_q']:9.4g} "
-                    f"{f['mse_initial']:10.3e} {f['mse_final']:10.3e}  {state}")
-    return "\n".join(rows)
-
-
-@torch.no_grad()
-def calibrate_detector(
-    model: nn.Module, batches: list, cfg: LatteConfig, logger: Optional[str] = "current"
-) -> dict:
-    """Swaps (if needed), calibrates and selects on ``batches``; leaves the model hybrid.
+def calibrate_detector(model: nn.Module, data: Iterable, cfg: LatteConfig) -> dict:
+    """Swaps (if needed), calibrates and selects on ``data``; leaves the model hybrid.
 
     Args:
         model: an mmdet detector, wrapped or not.
-        batches: this rank's calibration batches (see :func:`calibration_batches`).
+        data: this rank's calibration batches or a train-split loader
+            (:func:`build_calibration_loader`); an ``islice`` of ``cfg.num_images`` images is taken.
         cfg: LATTE settings.
 
     Returns:
         The core report (see :func:`latte_plugin.core.flow.calibrate_model`).
     """
-    model = unwrap(model)
-    linearize_model(model, cfg)
-    report = calibrate_model(
-        model,
-        batches,
-        detector_forward(model),
-        cfg,
-        all_reduce=_all_reduce_sum,
-        log=lambda s: print_log(s, logger=logger),
-        progress=progress,
-        shard=(get_rank(), get_world_size()),
-    )
-    print_log("[latte] per-layer calibration:\n" + format_layer_table(report), logger=logger)
-    return report
+    return calibrate(ADAPTER, model, data, cfg)

@@ -11,7 +11,7 @@ from mmdet.registry import HOOKS
 
 from ..core.flow import LatteConfig, find_latte_layers, needs_calibration
 from ..core.io import REPORT_NAME, atomic_write_json, check_keys, check_readable
-from .calibrate import build_calibration_loader, calibrate_detector, calibration_batches, linearize_model, unwrap
+from .calibrate import build_calibration_loader, calibrate_detector, linearize_model, unwrap
 
 __all__ = ["LinearizeHook"]
 
@@ -116,8 +116,7 @@ class LinearizeHook(Hook):
         loader = build_calibration_loader(
             runner.cfg, self.calib_batch_size, self.calib_pipeline, seed=self.latte_cfg.seed
         )
-        batches = calibration_batches(loader, self.latte_cfg.num_images, self.calib_batch_size)
-        self.report = calibrate_detector(runner.model, batches, self.latte_cfg)
+        self.report = calibrate_detector(runner.model, loader, self.latte_cfg)
         if is_main_process():
             atomic_write_json(self.report, os.path.join(runner.work_dir, REPORT_NAME))
         return self.report

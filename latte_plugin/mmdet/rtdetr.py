@@ -19,7 +19,7 @@ self-attention ``hf.model.decoder.layers.*.self_attn``.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Union
 
 import torch
 from mmdet.models.detectors.base import BaseDetector
@@ -28,33 +28,9 @@ from mmdet.structures import DetDataSample, OptSampleList, SampleList
 from mmengine.structures import InstanceData
 from torch import Tensor
 
+from ..hf.rtdetr import RTDETR_CANDIDATES, build_rtdetr, rtdetr_postprocess, rtdetr_targets
+
 __all__ = ["HFRTDETR", "rtdetr_postprocess", "RTDETR_CANDIDATES"]
-
-#: The 7 attention layers of the paper's RT-DETR protocol (1 AIFI + 6 decoder self-attention).
-RTDETR_CANDIDATES = ("hf.model.encoder.aifi.*.layers.*.self_attn", "hf.model.decoder.layers.*.self_attn")
-
-
-def rtdetr_postprocess(logits: Tensor, boxes: Tensor, image_hw: Sequence[tuple[int, int]], top_k: int):
-    """HF's RT-DETR post-processing (focal / sigmoid branch), batched.
-
-    Args:
-        logits: ``(B, Q, C)``. boxes: ``(B, Q, 4)`` normalised ``(cx, cy, w, h)``.
-        image_hw: per image, the ``(H, W)`` the normalised boxes refer to.
-        top_k: detections kept per image (HF keeps ``Q``).
-
-    Returns:
-        A list of ``(scores (K,), labels (K,), boxes (K, 4) xyxy in pixels)``.
-    """
-    b, q, c = logits.shape
-    cx, cy, w, h = boxes.unbind(-1)
-    xyxy = torch.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w, cy + 0.5 * h], dim=-1)
-    scale = torch.tensor([[wd, ht, wd, ht] for ht, wd in image_hw], dtype=xyxy.dtype, device=xyxy.device)
-    xyxy = xyxy * scale[:, None, :]
-    scores, index = torch.topk(torch.sigmoid(logits).flatten(1), min(top_k, q * c), dim=-1)
-    labels = index % c
-    query = index // c
-    picked = xyxy.gather(1, query.unsqueeze(-1).expand(-1, -1, 4))
-    return [(scores[i], labels[i], picked[i]) for i in range(b)]
 
 
 @MODELS.register_module()
@@ -62,7 +38,8 @@ class HFRTDETR(BaseDetector):
     """RT-DETR (HF ``RTDetrForObjectDetection``) as an mmdet detector.
 
     Args:
-        hf_config: keyword arguments of ``transformers.RTDetrConfig`` (random initialisation).
+        hf_config: keyword arguments of ``transformers.RTDetrConfig``, or the path of a JSON
+            file holding them (random initialisation).
         pretrained: a local HF checkpoint directory; loaded offline, overrides ``hf_config``
             except for keys given in ``hf_overrides``.
         hf_overrides: config keys applied on top of ``pretrained`` (e.g. ``num_labels``).
@@ -72,7 +49,7 @@ class HFRTDETR(BaseDetector):
 
     def __init__(
         self,
-        hf_config: Optional[dict] = None,
+        hf_config: Union[None, dict, str] = None,
         pretrained: Optional[str] = None,
         hf_overrides: Optional[dict] = None,
         test_cfg: Optional[dict] = None,
@@ -81,14 +58,7 @@ class HFRTDETR(BaseDetector):
         init_cfg: Optional[dict] = None,
     ) -> None:
         super().__init__(data_preprocessor=data_preprocessor, init_cfg=init_cfg)
-        from transformers import RTDetrConfig, RTDetrForObjectDetection
-
-        if pretrained is not None:
-            self.hf = RTDetrForObjectDetection.from_pretrained(
-                pretrained, local_files_only=True, ignore_mismatched_sizes=bool(hf_overrides), **(hf_overrides or {})
-            )
-        else:
-            self.hf = RTDetrForObjectDetection(RTDetrConfig(**(hf_config or {})))
+        self.hf = build_rtdetr(hf_config, pretrained, hf_overrides)
         self.test_cfg = dict(test_cfg or {})
         self.max_per_img = int(self.test_cfg.get("max_per_img", self.hf.config.num_queries))
 
@@ -102,16 +72,10 @@ class HFRTDETR(BaseDetector):
 
     def _labels(self, batch_inputs: Tensor, batch_data_samples: SampleList) -> list[dict]:
         """mmdet ground truth -> HF labels: boxes normalised by the network input size."""
-        h, w = self._input_hw(batch_inputs)
-        out = []
-        for ds in batch_data_samples:
-            b = ds.gt_instances.bboxes
-            b = b.tensor if hasattr(b, "tensor") else b
-            b = b.to(batch_inputs.dtype)
-            cxcywh = torch.stack([(b[:, 0] + b[:, 2]) / 2 / w, (b[:, 1] + b[:, 3]) / 2 / h,
-                                  (b[:, 2] - b[:, 0]) / w, (b[:, 3] - b[:, 1]) / h], dim=-1)
-            out.append({"class_labels": ds.gt_instances.labels.long(), "boxes": cxcywh})
-        return out
+        boxes = [ds.gt_instances.bboxes for ds in batch_data_samples]
+        boxes = [b.tensor if hasattr(b, "tensor") else b for b in boxes]
+        labels = [ds.gt_instances.labels for ds in batch_data_samples]
+        return rtdetr_targets(boxes, labels, self._input_hw(batch_inputs), batch_inputs.dtype)
 
     def _forward(self, batch_inputs: Tensor, batch_data_samples: OptSampleList = None) -> tuple[Tensor, Tensor]:
         """``mode='tensor'``: ``(logits (B, Q, C), pred_boxes (B, Q, 4))``."""

@@ -11,17 +11,11 @@ image_size = 256
 
 custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
 
-hidden = 128
 model = dict(
     type='HFRTDETR',
-    hf_config=dict(  # transformers.RTDetrConfig keywords
-        backbone_config=dict(model_type='rt_detr_resnet', layer_type='basic', embedding_size=32,
-                             hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
-                             out_features=['stage2', 'stage3', 'stage4']),
-        encoder_in_channels=[64, 128, 256], encoder_hidden_dim=hidden, encoder_ffn_dim=4 * hidden,
-        encoder_attention_heads=4, hidden_expansion=0.5,
-        d_model=hidden, decoder_in_channels=[hidden] * 3, decoder_ffn_dim=4 * hidden,
-        decoder_attention_heads=4, decoder_layers=6, num_queries=300, num_labels=4),
+    # transformers.RTDetrConfig keywords (small ResNet, 1 AIFI layer, 6 decoder layers, 300 queries),
+    # in a JSON file that detectron2's LatteRTDETR reads too
+    hf_config='{{fileDirname}}/../../hf/rtdetr_r18_synthetic.json',
     # RT-DETR takes RGB in [0, 1]
     data_preprocessor=dict(type='DetDataPreprocessor', mean=[0, 0, 0], std=[255, 255, 255],
                            bgr_to_rgb=True, pad_size_divisor=32),

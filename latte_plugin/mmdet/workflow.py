@@ -1,0 +1,117 @@
+"""What ``tools/calibrate.py`` does for an mmdet config, as a function (tests call it too):
+build the config's Runner, calibrate through its :class:`LinearizeHook`, write the artifacts."""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from ..artifacts import write_artifacts
+from ..core.flow import find_latte_layers, set_modes
+from ..core.io import check_readable, save_calibrated_checkpoint as save_bare
+from .calibrate import unwrap
+
+__all__ = ["run_calibration", "evaluate_bbox", "save_calibrated_checkpoint", "load_config"]
+
+
+def _bbox(metrics: dict) -> dict:
+    def get(key: str) -> float:
+        for k, v in metrics.items():
+            if k.endswith(key):
+                return float(v)
+        raise KeyError(f"the evaluator reported no '{key}' (got {sorted(metrics)}); is it mmdet's CocoMetric?")
+
+    return {"bbox_mAP": get("bbox_mAP"), "bbox_mAP_50": get("bbox_mAP_50")}
+
+
+def evaluate_bbox(runner, linear: Sequence[str], mode: str = "linear") -> dict:
+    """Runs the Runner's own test loop (its evaluator) with ``linear`` layers in ``mode``, the rest exact."""
+    layers = find_latte_layers(unwrap(runner.model))
+    set_modes(layers, linear, mode)
+    return _bbox(runner.test())
+
+
+def save_calibrated_checkpoint(model: torch.nn.Module, report: dict, path: str) -> None:
+    """:func:`latte_plugin.core.io.save_calibrated_checkpoint` of the model inside mmengine's wrappers."""
+    save_bare(unwrap(model), report, path)
+
+
+def load_config(config: str, cfg_options: Sequence[str] = ()):
+    """``Config.fromfile`` with ``--cfg-options key=value`` pairs merged as mmdet's tools do."""
+    from mmengine.config import Config, DictAction
+
+    cfg = Config.fromfile(config)
+    action = DictAction(option_strings=[], dest="x")
+    opts = {k: action._parse_iterable(v) for k, v in (kv.split("=", 1) for kv in cfg_options)}
+    if opts:
+        cfg.merge_from_dict(opts)
+    return cfg
+
+
+def _set_hook(cfg, config: str, overrides: Optional[dict], allow_partial_load: bool) -> None:
+    """The config's LinearizeHook with ``overrides``, set to calibrate now."""
+    from .hook import LinearizeHook
+
+    hooks = list(cfg.get("custom_hooks", []) or [])
+    idx = [i for i, h in enumerate(hooks) if h.get("type") in ("LinearizeHook", LinearizeHook)]
+    if not idx:
+        raise ValueError(f"{config} has no LinearizeHook in custom_hooks; inherit a latte config or add one")
+    hook_cfg = copy.deepcopy(hooks[idx[0]])
+    hook_cfg.update(overrides or {}, calibrate="always", allow_partial_load=bool(allow_partial_load))
+    hooks[idx[0]] = hook_cfg
+    cfg.custom_hooks = hooks
+
+
+def _launcher(launcher: str) -> str:
+    """mmengine's ``init_dist`` calls ``torch.cuda.set_device``; on CPU-only machines start gloo
+    from torchrun's environment ourselves (mmengine's dist utilities and samplers use it)."""
+    if launcher == "pytorch" and not torch.cuda.is_available():
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        return "none"
+    return launcher
+
+
+def run_calibration(
+    config: str,
+    checkpoint: Optional[str] = None,
+    work_dir: Optional[str] = None,
+    overrides: Optional[dict] = None,
+    evaluate: bool = False,
+    opts: Sequence[str] = (),
+    allow_partial_load: bool = False,
+    launcher: str = "none",
+) -> dict:
+    """Builds the config's Runner, calibrates through its :class:`LinearizeHook`, saves, and evaluates.
+
+    Returns:
+        The report (also written to ``WORK_DIR/latte_report.json``) with ``metrics``,
+        ``retained`` and ``paths`` when evaluated.
+    """
+    from mmengine.dist import is_main_process
+    from mmengine.runner import Runner
+
+    from .hook import LinearizeHook
+
+    cfg = load_config(config, opts)
+    _set_hook(cfg, config, overrides, allow_partial_load)
+    cfg.work_dir = work_dir or cfg.get("work_dir") or os.path.join(
+        "work_dirs", os.path.splitext(os.path.basename(config))[0])
+    if checkpoint:
+        check_readable(checkpoint)
+        cfg.load_from = checkpoint
+    cfg.launcher = _launcher(launcher)
+    runner = Runner.from_cfg(cfg)
+    hook = LinearizeHook.find(runner)
+    hook.before_run(runner)
+    runner.load_or_resume()
+    report = hook.run_calibration(runner)
+    hook.calibrate = "never"  # later test() calls reuse this state
+    mode = hook.latte_cfg.mode
+    return write_artifacts(unwrap(runner.model), report, runner.work_dir, "mmdet",
+                           (lambda linear: evaluate_bbox(runner, linear, mode)) if evaluate else None,
+                           is_main_process())
