@@ -67,13 +67,8 @@ def _additive_mask(
     return bias
 
 
-def naive_softmax_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_padding_mask: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-) -> Tensor:
+def naive_softmax_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
+                            attn_mask: Optional[Tensor] = None) -> Tensor:
     """Reference softmax attention (spec section 1), computed in float64-free plain torch.
 
     Args:
@@ -100,13 +95,8 @@ def naive_softmax_attention(
     return weights @ v
 
 
-def softmax_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_padding_mask: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-) -> Tensor:
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
+                      attn_mask: Optional[Tensor] = None) -> Tensor:
     """Fast softmax attention through ``scaled_dot_product_attention``; same contract as the naive one.
 
     Fully masked rows return zeros, as in :func:`naive_softmax_attention`.
@@ -375,7 +365,8 @@ def fused_latte_attention(
         va = va * keep
         count = keep.sum(dim=-2, keepdim=True).to(acc)  # (B, 1, 1, 1)
     else:
-        count = torch.full((1, 1, 1, 1), float(k.shape[-2]), dtype=acc, device=k.device)
+        # M as a tensor computed from k (not a Python number), so an ONNX trace keeps it dynamic
+        count = torch.ones_like(k[:1, :1, :, :1], dtype=acc).sum(dim=-2, keepdim=True)  # (1, 1, 1, 1)
     kv = fk.transpose(-1, -2) @ va  # (B, H, d, d_v)
     ksum = fk.sum(dim=-2, keepdim=True).transpose(-1, -2)  # (B, H, d, 1)
     vsum = va.sum(dim=-2, keepdim=True)  # (B, H, 1, d_v)

@@ -187,14 +187,8 @@ class LatteParams(nn.Module):
         mode = self.mode
         return mode == "linear" or (mode == "dynamic" and num_keys >= int(self.threshold))
 
-    def attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        key_padding_mask: Optional[Tensor] = None,
-        attn_mask: Optional[Tensor] = None,
-    ) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
+               attn_mask: Optional[Tensor] = None) -> Tensor:
         """Attention in the current mode.
 
         Args:

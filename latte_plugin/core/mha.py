@@ -50,15 +50,8 @@ def project_mha(
     return split(q), split(k), split(v)
 
 
-def latte_mha_forward(
-    attn: nn.MultiheadAttention,
-    latte: LatteParams,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    key_padding_mask: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-) -> Tensor:
+def latte_mha_forward(attn: nn.MultiheadAttention, latte: LatteParams, query: Tensor, key: Tensor, value: Tensor,
+                      key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None) -> Tensor:
     """What ``attn(query, key, value)[0]`` computes, with the attention core dispatched by ``latte``.
 
     Args:

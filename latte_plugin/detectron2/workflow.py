@@ -59,15 +59,9 @@ def _build_model(cfg, checkpoint: Optional[str]):
     return model.eval()
 
 
-def run_calibration(
-    config: str,
-    checkpoint: Optional[str] = None,
-    work_dir: Optional[str] = None,
-    overrides: Optional[dict] = None,
-    evaluate: bool = False,
-    opts: Sequence[str] = (),
-    allow_partial_load: bool = False,
-) -> dict:
+def run_calibration(config: str, checkpoint: Optional[str] = None, work_dir: Optional[str] = None,
+                    overrides: Optional[dict] = None, evaluate: bool = False, opts: Sequence[str] = (),
+                    allow_partial_load: bool = False) -> dict:
     """Builds the LazyConfig's model, loads the checkpoint, calibrates on ``model.calibration_loader``
     (the train split), saves, and optionally evaluates exact and hybrid with ``COCOEvaluator``."""
     cfg = load_config(config, opts)

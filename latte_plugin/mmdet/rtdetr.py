@@ -96,7 +96,12 @@ class HFRTDETR(BaseDetector):
 
     def predict(self, batch_inputs: Tensor, batch_data_samples: SampleList, rescale: bool = True) -> SampleList:
         logits, boxes = self._forward(batch_inputs)
-        hw = [self._input_hw(batch_inputs)] * len(batch_data_samples)
+        return self.predict_raw(logits, boxes, self._input_hw(batch_inputs), batch_data_samples, rescale)
+
+    def predict_raw(self, logits: Tensor, boxes: Tensor, input_hw: tuple[int, int], batch_data_samples: SampleList,
+                    rescale: bool = True) -> SampleList:
+        """HF's post-processing of raw outputs (``(B, Q, C)``, ``(B, Q, 4)``) for a network input of ``input_hw``."""
+        hw = [input_hw] * len(batch_data_samples)
         results = []
         for (scores, labels, bboxes), ds in zip(rtdetr_postprocess(logits, boxes, hw, self.max_per_img),
                                                 batch_data_samples):

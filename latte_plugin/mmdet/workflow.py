@@ -76,16 +76,9 @@ def _launcher(launcher: str) -> str:
     return launcher
 
 
-def run_calibration(
-    config: str,
-    checkpoint: Optional[str] = None,
-    work_dir: Optional[str] = None,
-    overrides: Optional[dict] = None,
-    evaluate: bool = False,
-    opts: Sequence[str] = (),
-    allow_partial_load: bool = False,
-    launcher: str = "none",
-) -> dict:
+def run_calibration(config: str, checkpoint: Optional[str] = None, work_dir: Optional[str] = None,
+                    overrides: Optional[dict] = None, evaluate: bool = False, opts: Sequence[str] = (),
+                    allow_partial_load: bool = False, launcher: str = "none") -> dict:
     """Builds the config's Runner, calibrates through its :class:`LinearizeHook`, saves, and evaluates.
 
     Returns:
