@@ -31,7 +31,9 @@ def _hf_model(cfg):
     from transformers import RTDetrConfig, RTDetrForObjectDetection
 
     torch.manual_seed(0)
-    return RTDetrForObjectDetection(RTDetrConfig(**copy.deepcopy(cfg.model.hf_config))).eval()
+    from latte_plugin.hf.rtdetr import _config_kwargs
+
+    return RTDetrForObjectDetection(RTDetrConfig(**_config_kwargs(cfg.model.hf_config))).eval()
 
 
 def test_hfrtdetr_equals_hf_reference_on_the_same_weights(tmp_path):

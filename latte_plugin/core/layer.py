@@ -178,9 +178,9 @@ class LatteParams(nn.Module):
         o = o * self.sigma.view(h, 1, dv).to(o.dtype)
         if bool(self.refit_on):
             lead, n = o.shape[:-3], o.shape[-2]
-            merged = o.movedim(-3, -2).reshape(-1, h * dv)  # (..., N, H*dv) rows
+            merged = o.transpose(-3, -2).reshape(-1, h * dv)  # (..., N, H*dv) rows (transpose: exports to ONNX)
             merged = torch.addmm(self.refit_bias.to(o.dtype), merged, self.refit_weight.to(o.dtype).t())
-            o = merged.view(*lead, n, h, dv).movedim(-2, -3)
+            o = merged.view(*lead, n, h, dv).transpose(-3, -2)
         return o
 
     def use_linear(self, num_keys: int) -> bool:

@@ -112,7 +112,10 @@ class LatteMultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ):
         latte = self.latte
-        if latte.mode == "exact" and latte.recorder is None and latte.probe is None:
+        # torch's own forward, except in an ONNX export: its inference fast path
+        # (aten::_native_multi_head_attention) has no ONNX form, our exact path (SDPA) has
+        if (latte.mode == "exact" and latte.recorder is None and latte.probe is None
+                and not torch.onnx.is_in_onnx_export()):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         if is_causal:
