@@ -22,7 +22,7 @@ from torch import nn
 
 from .core.flow import find_latte_layers
 
-__all__ = ["export_onnx", "onnx_ops", "run_onnx", "max_abs_diff", "STANDARD_DOMAINS"]
+__all__ = ["export_onnx", "onnx_ops", "run_onnx", "max_abs_diff", "query_matched_diff", "STANDARD_DOMAINS"]
 
 #: Operator domains of standard ONNX (the empty string is ``ai.onnx``).
 STANDARD_DOMAINS = ("", "ai.onnx")
@@ -136,3 +136,32 @@ def session_for(path: str, threads: Optional[int] = None) -> Any:
 def max_abs_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """The largest absolute difference over paired outputs."""
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
+def query_matched_diff(ref: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> tuple[float, bool]:
+    """The largest difference between per-query outputs once queries are matched, and whether
+    their order differed.
+
+    RT-DETR picks its queries with a top-k over encoder scores; where two scores nearly tie,
+    onnxruntime and torch may list the same two queries in the other order. The detections do
+    not depend on the order (post-processing is a top-k over queries x classes), so outputs are
+    compared per query: each torch query to its nearest onnxruntime query (max norm over the
+    concatenated outputs), which must form a permutation.
+
+    Args:
+        ref, got: outputs of shape ``(B, Q, *)`` each (e.g. logits and boxes).
+
+    Returns:
+        ``(difference, reordered)``; ``difference`` is ``inf`` if the matching is not a permutation.
+    """
+    a = torch.cat([r.float().flatten(2) for r in ref], dim=-1)  # (B, Q, F)
+    b = torch.cat([g.float().flatten(2) for g in got], dim=-1)
+    worst, reordered = 0.0, False
+    for x, y in zip(a, b):
+        dist = torch.cdist(x[None], y[None], p=float("inf"))[0]  # (Q, Q)
+        best, match = dist.min(dim=1)
+        if len(set(match.tolist())) != len(match):
+            return float("inf"), True
+        reordered |= bool((match != torch.arange(len(match))).any())
+        worst = max(worst, float(best.max()))
+    return worst, reordered

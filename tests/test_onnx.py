@@ -67,6 +67,20 @@ def test_onnx_dynamic_mode_exports_the_linear_path_with_a_warning(calibrated_toy
         layers[name].mode = "linear"
 
 
+def test_onnx_query_matching_sees_a_swap_and_nothing_else():
+    from latte_plugin.export import query_matched_diff
+
+    logits, boxes = torch.randn(2, 6, 3), torch.rand(2, 6, 4)
+    swapped = [t.clone() for t in (logits, boxes)]
+    for t in swapped:
+        t[1, [2, 4]] = t[1, [4, 2]]
+    assert query_matched_diff((logits, boxes), swapped) == (0.0, True)
+    assert query_matched_diff((logits, boxes), (logits, boxes)) == (0.0, False)
+    diff, _ = query_matched_diff((logits, boxes), (logits + 1e-3, boxes))
+    assert abs(diff - 1e-3) < 1e-6
+    assert query_matched_diff((logits, boxes), (logits[:, [0, 0, 2, 3, 4, 5]], boxes[:, [0, 0, 2, 3, 4, 5]]))[0] == float("inf")
+
+
 def test_onnx_export_refuses_an_old_opset(calibrated_toy, tmp_path):
     with pytest.raises(ValueError, match="opset 13 is too old"):
         export_onnx(calibrated_toy, torch.randn(1, 8, 32), str(tmp_path / "old.onnx"), opset=13)
@@ -97,7 +111,7 @@ def test_onnx_export_tool_on_the_embedded_models_gives_the_torch_map(synthetic_d
                                   "--work-dir", str(tmp_path / "cal")])
     out = export_tool.main([cfg_path, report["paths"]["checkpoint"], "--out", str(tmp_path / "m.onnx"), "--eval"])
     assert out["linear"] == report["linearized"] and len(out["linear"]) > 0
-    assert out["max_abs_diff"] < TOL and out["metrics"]["max_abs_diff_val"] < TOL
+    assert out["max_abs_diff"] < TOL and out["metrics"]["max_query_matched_diff_val"] < TOL
     m = out["metrics"]
     assert round(m["torch"]["bbox_mAP"], 3) == round(m["onnxruntime"]["bbox_mAP"], 3) and m["torch"]["bbox_mAP"] > 0
     exact = export_tool.main([cfg_path, report["paths"]["checkpoint"], "--out", str(tmp_path / "exact.onnx"),

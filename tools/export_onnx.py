@@ -17,8 +17,10 @@ ONNX operators are used (checked). Dynamic-mode layers export their linear path 
 
 ``--eval`` evaluates the config's test split twice with the Runner's own test loop and
 ``CocoMetric``: the torch hybrid, then onnxruntime's outputs through the same post-processing,
-and reports both mAPs and the largest output difference. Images go one at a time (DETR-family
-graphs take no padding mask).
+and reports both mAPs and the largest output difference, position by position and with
+queries matched (RT-DETR's query top-k may list two nearly tied queries in the other order:
+:func:`latte_plugin.export.query_matched_diff`). Images go one at a time (DETR-family graphs
+take no padding mask).
 """
 from __future__ import annotations
 
@@ -109,20 +111,22 @@ def evaluate(runner, onnx_path: str) -> dict:
     """CocoMetric of the torch model, then of onnxruntime's outputs through the same post-processing."""
     import torch
 
-    from latte_plugin.export import run_onnx, session_for
+    from latte_plugin.export import query_matched_diff, run_onnx, session_for
     from latte_plugin.mmdet.export import RawOutputs, predict_from_raw
 
     det = runner.model
     raw = RawOutputs(det).eval()
     torch_metrics = runner.test()
     session = session_for(onnx_path)
-    worst = [0.0]
+    worst, matched, reordered = [0.0], [0.0], [0]
 
     def ort_predict(batch_inputs, batch_data_samples, rescale: bool = True):
         logits, boxes = run_onnx(onnx_path, batch_inputs, session=session)
         with torch.no_grad():
             ref = raw(batch_inputs)
         worst[0] = max(worst[0], float((ref[0] - logits).abs().max()), float((ref[1] - boxes).abs().max()))
+        diff, moved = query_matched_diff(ref, (logits, boxes))
+        matched[0], reordered[0] = max(matched[0], diff), reordered[0] + int(moved)
         return predict_from_raw(det, logits, boxes, tuple(batch_inputs.shape[-2:]), batch_data_samples, rescale)
 
     det.predict = ort_predict
@@ -131,7 +135,9 @@ def evaluate(runner, onnx_path: str) -> dict:
     finally:
         del det.predict
     pick = lambda m: {k.split("/")[-1]: float(v) for k, v in m.items() if k.endswith(("bbox_mAP", "bbox_mAP_50"))}
-    return {"torch": pick(torch_metrics), "onnxruntime": pick(ort_metrics), "max_abs_diff_val": worst[0]}
+    return {"torch": pick(torch_metrics), "onnxruntime": pick(ort_metrics), "max_abs_diff_val": worst[0],
+            "max_query_matched_diff_val": matched[0], "images_with_reordered_queries": reordered[0],
+            "images": len(runner.test_dataloader.dataset)}
 
 
 def main(argv=None) -> dict:

@@ -133,7 +133,36 @@ def timings_table() -> str:
     return _table(["command", "machine", "wall time", "note"], rows)
 
 
+def onnx_parity_table() -> str:
+    """tools/export_onnx.py --eval on each embedded model: torch vs onnxruntime CocoMetric."""
+    rows = []
+    for model in ("cond_detr", "rtdetr"):
+        r = _load(f"onnx_{model}.json")
+        m = r["metrics"]
+        rows.append([model, f"{len(r['linear'])}", f"{m['torch']['bbox_mAP']:.3f}", f"{m['onnxruntime']['bbox_mAP']:.3f}",
+                     f"{m['torch']['bbox_mAP_50']:.3f}", f"{m['onnxruntime']['bbox_mAP_50']:.3f}",
+                     f"{m['max_query_matched_diff_val']:.1e}", f"{m['max_abs_diff_val']:.1e}",
+                     f"{m['images_with_reordered_queries']} of {m['images']}", f"{r['export_s']:.0f} s"])
+    head = ["model", "linear layers", "torch bbox mAP", "onnxruntime bbox mAP", "torch mAP@.5", "onnxruntime mAP@.5",
+            "max abs diff, queries matched", "max abs diff, position by position", "images whose queries come in another order",
+            "export + check"]
+    return _table(head, rows)
+
+
+def onnx_cpu_table() -> str:
+    res = _load("onnx_cpu.json")
+    att = [[str(r["N"]), f"{r['exact_ms']:.2f}", f"{r['linear_ms']:.2f}", f"{r['speedup']:.2f}x", f"{r['memcpy_ms']:.2f}"]
+           for r in res["rows"] if r["part"] == "attention"]
+    det = [[r["input"], str(r["tokens"]), f"{r['exact_ms']:.0f}", f"{r['linear_ms']:.0f}", f"{r['speedup']:.2f}x"]
+           for r in res["rows"] if r["part"] == "detr_r50"]
+    note = f"onnxruntime {res['onnxruntime']}, CPU, {res['threads']} threads, best of {res['reps']}."
+    return (_table(["N (one layer, d=256, 8 heads)", "exact ms", "LATTE ms", "speed-up", "memcpy ms"], att) + "\n\n"
+            + _table(["DETR-R50 input", "encoder tokens", "exact ms", "4/6 LATTE ms", "speed-up"], det) + "\n\n" + note)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "onnx_parity": onnx_parity_table,
+    "onnx_cpu": onnx_cpu_table,
     "main:cond_detr": lambda: main_job_table("cond_detr"),
     "main:rtdetr": lambda: main_job_table("rtdetr"),
     "choices:cond_detr": lambda: choices_table("cond_detr"),

@@ -1,7 +1,7 @@
 # A tiny DETR (ResNet-18 cut after stage 3, d=64, 6 encoder layers) on the generated
 # synthetic COCO-format data (python -m latte_plugin.data.synthetic data/synthetic).
 # Random weights unless a checkpoint is given: for tests and the quick demo only.
-_base_ = 'mmdet::detr/detr_r50_8xb2-150e_coco.py'
+_base_ = ['mmdet::detr/detr_r50_8xb2-150e_coco.py', './embedded/_base_/synthetic_data.py']
 
 custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
 
@@ -27,33 +27,12 @@ model = dict(
     bbox_head=dict(num_classes=4, embed_dims=embed_dims),
     test_cfg=dict(max_per_img=20))
 
-data_root = 'data/synthetic/'
-metainfo = dict(classes=('square-red', 'square-blue', 'disc-red', 'disc-blue'))
-backend_args = None
-image_size = 256
-train_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='LoadAnnotations', with_bbox=True),
-    dict(type='RandomFlip', prob=0.5),
-    dict(type='Resize', scale=(image_size, image_size), keep_ratio=True),
-    dict(type='PackDetInputs'),
-]
-test_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='Resize', scale=(image_size, image_size), keep_ratio=True),
-    dict(type='LoadAnnotations', with_bbox=True),
-    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
-]
-train_dataloader = dict(
-    batch_size=4, num_workers=0, persistent_workers=False,
-    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_train.json',
-                 data_prefix=dict(img='train/'), pipeline=train_pipeline))
-val_dataloader = dict(
-    batch_size=4, num_workers=0, persistent_workers=False,
-    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_val.json',
-                 data_prefix=dict(img='val/'), pipeline=test_pipeline))
+train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False,
+                        dataset={{_base_.synthetic.keep_ratio.train}})
+val_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False,
+                      dataset={{_base_.synthetic.keep_ratio.val}})
 test_dataloader = val_dataloader
-val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json', backend_args=backend_args)
+val_evaluator = {{_base_.synthetic.val_evaluator}}
 test_evaluator = val_evaluator
 
 custom_hooks = [

@@ -3,7 +3,7 @@
 # (python -m latte_plugin.data.synthetic data/synthetic --train 4000 --val 300).
 # Train:  python $MMDET/.mim/tools/train.py configs/mmdet/embedded/cond_detr_r18_synthetic.py
 # LATTE:  see cond_detr_r18_synthetic_latte.py
-_base_ = 'mmdet::conditional_detr/conditional-detr_r50_8xb2-50e_coco.py'
+_base_ = ['mmdet::conditional_detr/conditional-detr_r50_8xb2-50e_coco.py', './_base_/synthetic_data.py']
 
 embed_dims = 256  # mmdet's ConditionalDETR hard-codes a 256-d reference-point embedding
 num_heads = 8
@@ -30,33 +30,12 @@ model = dict(
     bbox_head=dict(num_classes=4, embed_dims=embed_dims),
     test_cfg=dict(max_per_img=20))
 
-data_root = 'data/synthetic/'
-metainfo = dict(classes=('square-red', 'square-blue', 'disc-red', 'disc-blue'))
-backend_args = None
-image_size = 256
-train_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='LoadAnnotations', with_bbox=True),
-    dict(type='RandomFlip', prob=0.5),
-    dict(type='Resize', scale=(image_size, image_size), keep_ratio=True),
-    dict(type='PackDetInputs'),
-]
-test_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='Resize', scale=(image_size, image_size), keep_ratio=True),
-    dict(type='LoadAnnotations', with_bbox=True),
-    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
-]
-train_dataloader = dict(
-    batch_size=8, num_workers=1, persistent_workers=True,
-    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_train.json',
-                 data_prefix=dict(img='train/'), pipeline=train_pipeline))
-val_dataloader = dict(
-    batch_size=8, num_workers=0, persistent_workers=False,
-    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_val.json',
-                 data_prefix=dict(img='val/'), pipeline=test_pipeline))
+train_dataloader = dict(batch_size=8, num_workers=1, persistent_workers=True,
+                        dataset={{_base_.synthetic.keep_ratio.train}})
+val_dataloader = dict(batch_size=8, num_workers=0, persistent_workers=False,
+                      dataset={{_base_.synthetic.keep_ratio.val}})
 test_dataloader = val_dataloader
-val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json', backend_args=backend_args)
+val_evaluator = {{_base_.synthetic.val_evaluator}}
 test_evaluator = val_evaluator
 
 max_epochs = 3  # 3 x 500 iterations of 8 images: about 40 minutes on 2 cores

@@ -6,9 +6,6 @@
 # LATTE:  see rtdetr_r18_synthetic_latte.py
 _base_ = ['mmdet::_base_/default_runtime.py', './_base_/synthetic_data.py']
 
-backend_args = None
-image_size = 256
-
 custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
 
 model = dict(
@@ -22,22 +19,13 @@ model = dict(
     test_cfg=dict(max_per_img=100))
 
 # RT-DETR's own evaluation transform: the network size, aspect ratio not kept
-train_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='LoadAnnotations', with_bbox=True),
-    dict(type='RandomFlip', prob=0.5),
-    dict(type='Resize', scale=(image_size, image_size), keep_ratio=False),
-    dict(type='PackDetInputs'),
-]
-test_pipeline = [
-    dict(type='LoadImageFromFile', backend_args=backend_args),
-    dict(type='Resize', scale=(image_size, image_size), keep_ratio=False),
-    dict(type='LoadAnnotations', with_bbox=True),
-    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
-]
-train_dataloader = dict(dataset=dict(pipeline=train_pipeline))
-val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
+train_dataloader = dict(batch_size=8, num_workers=1, persistent_workers=True,
+                        dataset={{_base_.synthetic.square.train}})
+val_dataloader = dict(batch_size=8, num_workers=0, persistent_workers=False,
+                      dataset={{_base_.synthetic.square.val}})
 test_dataloader = val_dataloader
+val_evaluator = {{_base_.synthetic.val_evaluator}}
+test_evaluator = val_evaluator
 
 max_epochs = 4
 optim_wrapper = dict(
