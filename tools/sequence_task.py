@@ -87,7 +87,7 @@ def train(steps: int, out: str, batch: int = 64, lr: float = 1e-3, log_every: in
             model.eval()
             acc = accuracy(model, 500)
             model.train()
-            log.append({"step": step, "loss": round(float(loss), 4), "test_acc_500": acc,
+            log.append({"step": step, "loss": round(float(loss.detach()), 4), "test_acc_500": acc,
                         "seconds": round(time.time() - t0, 1)})
             print(json.dumps(log[-1]), flush=True)
     model.eval()

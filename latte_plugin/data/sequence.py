@@ -18,7 +18,7 @@ __all__ = ["retrieval_batch", "RetrievalSpec"]
 class RetrievalSpec:
     """Sizes of the task: ``vocab`` content tokens, then ``MARK`` and ``CLS``; ``length`` tokens."""
 
-    def __init__(self, vocab: int = 32, length: int = 128) -> None:
+    def __init__(self, vocab: int = 16, length: int = 64) -> None:
         self.vocab, self.length = vocab, length
         self.mark, self.cls = vocab, vocab + 1
         self.num_tokens = vocab + 2
