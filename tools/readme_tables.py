@@ -160,7 +160,24 @@ def onnx_cpu_table() -> str:
             + _table(["DETR-R50 input", "encoder tokens", "exact ms", "4/6 LATTE ms", "speed-up"], det) + "\n\n" + note)
 
 
+def sequence_table() -> str:
+    """tools/sequence_job.py: the generic entry on the marker-retrieval encoder trained here."""
+    res = _load("sequence_job.json")
+    exact = next(r for r in res["rows"] if r["row"] == "exact")
+    rows = []
+    for r in res["rows"]:
+        corr = sorted(set((r.get("corrections") or {}).values()))
+        rows.append([r["row"], f"{r['accuracy']:.3f}", f"{100 * r['accuracy'] / exact['accuracy']:.1f}",
+                     f"{r['cosine']:.4f}", ", ".join(n.split(".")[-2] for n in r.get("linearized", [])) or "-",
+                     r.get("selection") or "-", ", ".join(corr) or "-"])
+    head = ["row", "test accuracy", "% kept", "cosine to exact (pooled CLS)", "linear layers", "selection",
+            "corrections used"]
+    return _table(head, rows) + f"\n\n`{res['command']}`: {res['seconds'] / 60:.1f} min on 2 CPU cores; " \
+        f"calibration {res['calibration']}, test {res['test']}."
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,
     "onnx_cpu": onnx_cpu_table,
     "main:cond_detr": lambda: main_job_table("cond_detr"),

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""The evidence beyond detectors: LATTE through the generic entry (``latte_plugin.linearize``)
+on the marker-retrieval encoder trained here (``tools/sequence_task.py``), 4 of 6 layers linear.
+
+    python tools/sequence_job.py [--results results/sequence_job.json]
+
+Rows: the exact model; the uniform-attention control (every layer averages its values); the
+paper's protocol (sigma, per-layer score, all images fitted) for LATTE and QT-ViT; the package
+default (``ours:auto``: correction chosen per layer and selection per model on held-out
+calibration sequences); and every fixed combination of correction x selection. Nothing here
+is chosen by the test set: it only reports.
+
+Calibration: 32 unlabeled batches of 4 sequences (seed 3). Test: 2000 other sequences
+(seed 7): accuracy, and the mean cosine between the hybrid's and the exact model's pooled
+``CLS`` output (the measure of the issue's text-encoder table).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import sequence_task as task  # noqa: E402
+from latte_plugin import linearize, swap_attention  # noqa: E402
+from latte_plugin.core.flow import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch  # noqa: E402
+
+CANDIDATES = ["encoder.layers.*.self_attn"]
+PAPER = {"selection": "score", "holdout": 0.0, "correction": "sigma"}
+ROWS = [("exact", None), ("uniform", None),
+        ("paper latte", dict(PAPER)), ("paper qtvit", dict(PAPER, variant="qtvit")),
+        ("ours:auto", {})]
+ROWS += [(f"{c}+{s}", {"correction": c, "selection": s})
+         for c in ("none", "sigma", "refit", "auto") for s in ("score", "greedy", "backward", "auto")
+         if (c, s) != ("auto", "auto")]
+
+
+@torch.no_grad()
+def evaluate(model, tokens: torch.Tensor, labels: torch.Tensor, exact_pooled: torch.Tensor) -> dict:
+    logits, pooled = [], []
+    for i in range(0, len(tokens), 500):
+        lg, pl = model(tokens[i:i + 500])
+        logits.append(lg)
+        pooled.append(pl)
+    logits, pooled = torch.cat(logits), torch.cat(pooled)
+    cos = torch.nn.functional.cosine_similarity(pooled, exact_pooled, dim=-1).mean()
+    return {"accuracy": float((logits.argmax(-1) == labels).float().mean()), "cosine": float(cos)}
+
+
+def run_row(name: str, changes, exact_model, calib: list, test: tuple, exact_pooled) -> dict:
+    model = copy.deepcopy(exact_model)
+    t0 = time.time()
+    report = None
+    if name == "uniform":
+        swap_attention(model, CANDIDATES)
+        set_modes(find_latte_layers(model), list(find_latte_layers(model)), "uniform")
+    elif changes is not None:
+        _, report = linearize(model, calib, candidates=CANDIDATES, ratio=0.67, num_images=len(calib),
+                              log=lambda s: None, progress=False, **changes)
+    row = {"row": name, **evaluate(model, *test, exact_pooled), "seconds": round(time.time() - t0, 1)}
+    if report is not None:
+        row.update(linearized=report["linearized"], selection=report["selection"].get("chosen", report["selection"]["method"]),
+                   corrections={n: f.get("correction") for n, f in report["fit"].items() if n in report["linearized"]})
+    return row
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default=task.CHECKPOINT)
+    p.add_argument("--results")
+    a = p.parse_args(argv)
+    torch.set_num_threads(2)
+    spec, t0 = RetrievalSpec(), time.time()
+    exact = task.load(a.checkpoint)
+    tokens, _ = retrieval_batch(spec, 128, task.CALIB_SEED)
+    calib = list(tokens.split(4))  # 32 unlabeled batches of 4 sequences
+    test = retrieval_batch(spec, 2000, task.TEST_SEED)
+    with torch.no_grad():
+        exact_pooled = torch.cat([exact(test[0][i:i + 500])[1] for i in range(0, 2000, 500)])
+    rows = []
+    for name, changes in ROWS:
+        rows.append(run_row(name, changes, exact, calib, test, exact_pooled))
+        r = rows[-1]
+        print(f"{name:18s} acc {r['accuracy']:.3f}  cos {r['cosine']:.4f}  {r.get('linearized', '')} "
+              f"{r.get('selection') or ''} {r['seconds']:.0f}s", flush=True)
+    result = {"command": "python tools/sequence_job.py", "seconds": round(time.time() - t0, 1),
+              "calibration": "32 batches of 4 sequences (seed 3)", "test": "2000 sequences (seed 7)", "rows": rows}
+    if a.results:
+        from latte_plugin.core.io import atomic_write_json
+
+        atomic_write_json(result, a.results)
+    return result
+
+
+if __name__ == "__main__":
+    main()
