@@ -14,9 +14,11 @@ setup(
         # mmcv 2.1.0 must be compiled with ops from source: see tools/setup_env.sh.
         "mmdet": ["mmengine==0.10.7", "mmcv>=2.0.0rc4,<2.2.0", "mmdet==3.3.0", "pycocotools"],
         # detectron2 is not on PyPI: install it from its official source repository.
-        "detectron2": ["pycocotools"],  # plus detectron2 itself, from its official source (README)
+        # plus detectron2 itself, from its official source (README); RT-DETR needs transformers, not mmdet
+        "detectron2": ["pycocotools", "transformers>=5.0"],
         "hf": ["transformers>=5.0"],  # the HF adapter uses the attention-interface dispatch (tested: 5.24)
         "plots": ["matplotlib"],
+        "onnx": ["onnx", "onnxruntime"],  # latte_plugin.export_onnx, tools/export_onnx.py
         "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "rich"],
     },
 )

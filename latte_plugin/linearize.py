@@ -3,9 +3,10 @@
 Works on any ``torch.nn.Module`` whose candidate attention modules are
 ``torch.nn.MultiheadAttention`` (or wrappers holding one as ``.attn``) or HF
 ``transformers`` attention modules (ViT, CLIP, BERT/RoBERTa, RT-DETR, ...). It runs the
-whole flow of ``ARCHITECTURE.md`` (swap -> record -> fit -> score -> select) through
-:func:`latte_plugin.core.flow.calibrate_model`, the same function the mmdet and
-detectron2 adapters call, and returns the same report as ``tools/calibrate.py``.
+whole flow (swap -> record -> fit -> score -> select) through
+:func:`latte_plugin.adapter.calibrate` with a :class:`~latte_plugin.adapter.TorchAdapter`,
+the same function the mmdet and detectron2 adapters call, and returns the same report as
+``tools/calibrate.py``. Here ``num_images`` counts batches.
 
 Example::
 

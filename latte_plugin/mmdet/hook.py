@@ -33,7 +33,8 @@ class LinearizeHook(Hook):
     line (``allow_partial_load=True`` accepts a partial load).
 
     Args:
-        candidates: module-name patterns of the attention modules that may go linear.
+        candidates: module-name patterns of the attention modules that may go linear
+            (default: ``LatteConfig``'s, DETR's encoder self-attention).
         calib_pipeline: ``'test'`` (train images through the test pipeline) or ``'train'``.
         calib_batch_size: images per calibration batch.
         allow_partial_load: accept a checkpoint whose keys do not match the model's.
@@ -45,7 +46,7 @@ class LinearizeHook(Hook):
 
     def __init__(
         self,
-        candidates: Sequence[str] = ("encoder.layers.*.self_attn",),
+        candidates: Optional[Sequence[str]] = None,
         calib_pipeline: str = "test",
         calib_batch_size: int = 1,
         allow_partial_load: bool = False,
@@ -53,7 +54,9 @@ class LinearizeHook(Hook):
     ) -> None:
         if calib_pipeline not in ("test", "train"):
             raise ValueError(f"calib_pipeline must be 'test' or 'train', got {calib_pipeline!r}")
-        self.latte_cfg = LatteConfig.from_dict(dict(candidates=list(candidates), **latte))
+        if candidates is not None:  # else LatteConfig's default, defined there only
+            latte["candidates"] = list(candidates)
+        self.latte_cfg = LatteConfig.from_dict(latte)
         self.allow_partial_load = bool(allow_partial_load)
         self.calib_pipeline = calib_pipeline
         self.calib_batch_size = int(calib_batch_size)
