@@ -20,25 +20,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", nargs="+", default=["800x1333", "1600x2666"])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--num-linear", type=int, default=4)
-    p.add_argument("--json")
-    a = p.parse_args(argv)
-
+def detr_r50_with_latte():
+    """mmdet's DETR-R50 (random weights, fine for timing) with LATTE installed in its 6 encoder
+    self-attention layers and calibrated-like scalars: ``(model, layer names, layers)``."""
     import mmdet
     from mmengine.config import Config
     from mmdet.registry import MODELS
-    from mmdet.structures import DetDataSample
     from mmdet.utils import register_all_modules
 
-    from latte_plugin.core.flops import layer_flops
-    from latte_plugin.core.flow import LatteConfig, find_latte_layers, set_modes
+    from latte_plugin.core.flow import LatteConfig, find_latte_layers
     from latte_plugin.mmdet import linearize_model
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    from main_job_rows import encoder_latency
 
     register_all_modules()
     cfg = Config.fromfile(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", "detr",
@@ -51,6 +42,25 @@ def main(argv=None) -> list[dict]:
     for lay in layers.values():
         lay.m.fill_(0.7)
         lay.log_rho.fill_(1.0)
+    return model, names, layers
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=["800x1333", "1600x2666"])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--num-linear", type=int, default=4)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+
+    from mmdet.structures import DetDataSample
+
+    from latte_plugin.core.flops import layer_flops
+    from latte_plugin.core.flow import set_modes
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from main_job_rows import encoder_latency
+
+    model, names, layers = detr_r50_with_latte()
     rows = []
     print(f"threads={torch.get_num_threads()}  DETR-R50 (d=256, 8 heads), {a.num_linear}/6 encoder layers linear")
     print(f"{'input':>10s} {'tokens':>6s} {'enc exact s':>11s} {'enc LATTE s':>11s} {'enc x':>6s} "

@@ -94,26 +94,10 @@ def attention_sweep(ns: list[int], reps: int, threads: int, tmp: str) -> list[di
 
 
 def detr_r50(sizes: list[str], reps: int, threads: int, tmp: str) -> list[dict]:
-    import mmdet
-    from mmengine.config import Config
-    from mmdet.registry import MODELS
-    from mmdet.utils import register_all_modules
-
-    from latte_plugin.core.flow import LatteConfig
-    from latte_plugin.mmdet import linearize_model
+    from benchmarks.detector import detr_r50_with_latte
     from latte_plugin.mmdet.export import RawOutputs
 
-    register_all_modules()
-    cfg = Config.fromfile(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", "detr",
-                                       "detr_r50_8xb2-150e_coco.py"))
-    cfg.model.backbone.init_cfg = None
-    torch.manual_seed(0)
-    model = MODELS.build(cfg.model).eval()
-    names = linearize_model(model, LatteConfig(candidates=["encoder.layers.*.self_attn"]))
-    layers = find_latte_layers(model)
-    for lay in layers.values():
-        lay.m.fill_(0.7)
-        lay.log_rho.fill_(1.0)
+    model, names, layers = detr_r50_with_latte()
     wrapped = RawOutputs(model).eval()
     rows = []
     for size in sizes:
