@@ -94,6 +94,8 @@ BLOCKED_RUN = textwrap.dedent('''
     import latte_plugin.detectron2 as d2p
     from latte_plugin.core import find_latte_layers
 
+    from detectron2.modeling import META_ARCH_REGISTRY
+    assert META_ARCH_REGISTRY.get("LatteRTDETR") is d2p.LatteRTDETR
     root, cfg_path, ckpt, out = sys.argv[1:5]
     train, val = d2p.register_synthetic(root, prefix="latte_nomm")
     cfg = LazyConfig.apply_overrides(LazyConfig.load(cfg_path), [
