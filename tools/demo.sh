@@ -2,7 +2,8 @@
 # The README's main job: sets up (or reuses) the environment, generates the embedded data, and
 # for each embedded model (Conditional DETR, RT-DETR) runs every LATTE row on the committed
 # checkpoint (calibrate + CocoMetric), then re-evaluates the saved default-row checkpoint with
-# mmdet's own tools/test.py.
+# mmdet's own tools/test.py, exports it to ONNX and evaluates it through onnxruntime; last, the
+# generic entry on the non-detection model (tools/sequence_job.py).
 #   bash tools/demo.sh                 # both models
 #   LATTE_DEMO_MODELS=rtdetr bash tools/demo.sh
 #   LATTE_DEMO_RESULTS=results bash tools/demo.sh   # also rewrites the committed results/ files
@@ -28,4 +29,9 @@ for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr}; do
   PYTHONWARNINGS=ignore "$py" "$mmdet_test" "$cfg" "$work/latte_calibrated.pth" --work-dir "$work/mmdet_test" \
     >"$work/mmdet_test.log" 2>&1 || { tail -n 20 "$work/mmdet_test.log"; echo "tools/test.py failed"; exit 1; }
   grep -oE "\[latte\] using.*|coco/bbox_mAP: [0-9.]+" "$work/mmdet_test.log" | sort -u
+  echo "== ONNX: export $work/latte_calibrated.pth, CocoMetric through onnxruntime vs torch =="
+  PYTHONWARNINGS=ignore "$py" tools/export_onnx.py "$cfg" "$work/latte_calibrated.pth" --out "$work/$model.onnx" \
+    --eval ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/onnx_$model.json"}
 done
+echo "== beyond detectors: the retrieval encoder through latte_plugin.linearize =="
+PYTHONWARNINGS=ignore "$py" tools/sequence_job.py ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/sequence_job.json"}
