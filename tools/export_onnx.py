@@ -25,7 +25,6 @@ take no padding mask).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -77,7 +76,8 @@ def build_runner(args: argparse.Namespace):
     return runner
 
 
-def example_input(runner, shape) -> "torch.Tensor":
+def example_input(runner, shape):
+    """The example input: random at ``shape``, else the first test image as the preprocessor gives it."""
     import torch
 
     if shape:

@@ -8,7 +8,6 @@ callable that runs one batch, and an ``all_reduce`` for distributed runs; it dec
 from __future__ import annotations
 
 import fnmatch
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -19,7 +18,7 @@ from . import flops as flops_mod
 from .calibration import (CORRECTIONS, REFIT_FALLBACK, REFIT_REGS, AllReduce, LayerRecorder, _no_reduce, fit_layer,
                           share_items)
 from .kernels import VARIANTS
-from .layer import MODES, LatteParams
+from .layer import LatteParams
 from .selection import SensitivityStats, backward_select, greedy_select, num_linear_layers, select_by_score
 
 __all__ = [

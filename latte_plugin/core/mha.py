@@ -6,7 +6,6 @@ so pretrained state dicts load unchanged; it only adds the ``latte.*`` buffers.
 """
 from __future__ import annotations
 
-import fnmatch
 from typing import Optional, Sequence
 
 import torch

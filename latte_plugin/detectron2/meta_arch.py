@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from typing import Any, Optional
 
 import torch

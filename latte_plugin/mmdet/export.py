@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from mmdet.structures import DetDataSample
 from torch import Tensor, nn
 

@@ -24,7 +24,7 @@ from typing import Optional, Union
 import torch
 from mmdet.models.detectors.base import BaseDetector
 from mmdet.registry import MODELS
-from mmdet.structures import DetDataSample, OptSampleList, SampleList
+from mmdet.structures import OptSampleList, SampleList
 from mmengine.structures import InstanceData
 from torch import Tensor
 
