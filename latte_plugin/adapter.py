@@ -3,11 +3,13 @@ function that runs it.
 
 Every entry point (the mmdet hook and ``tools/calibrate.py``, the detectron2 hook and
 meta-architectures, the generic :func:`latte_plugin.linearize`) calls :func:`calibrate` with
-its own :class:`Adapter`. An adapter answers five questions and nothing else:
+its own :class:`Adapter`. An adapter answers six questions and nothing else:
 
 * ``unwrap``: the bare model inside the framework's wrappers (DDP, mmengine's);
 * ``world`` and ``all_reduce_sum``: this rank, the number of ranks, and a sum across them;
 * ``forward``: how one calibration batch runs (raw outputs, no post-processing);
+* ``detect``: for detectors, how one batch runs through the framework's own post-processing
+  (boxes, scores, labels per image), which ``target=`` budgets (``None`` for other models);
 * ``batch_len`` and ``positions``: how many images a batch holds and, for samplers that do
   not deal round-robin, where each local batch sits globally;
 * ``log`` and ``progress``: where lines and progress bars go.
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from .console import progress as console_progress
+from .core.fidelity import DetectionDisagreement
 from .core.flow import LatteConfig, calibrate_model, match_candidates
 from .core.mha import swap_mha
 
@@ -61,6 +64,12 @@ class Adapter:
     def forward(self, model: nn.Module) -> Callable[[Any], Any]:
         """Runs one calibration batch on the bare model; returns its raw outputs."""
         return default_forward(model)
+
+    def detect(self, model: nn.Module) -> Optional[Callable[[Any], list]]:
+        """Runs one batch through the detector's post-processing: one ``(boxes (n, 4) xyxy,
+        scores (n,), labels (n,))`` per image. ``None``: not a detector (``target=`` then budgets
+        the relative raw-output distortion)."""
+        return None
 
     def batch_len(self, batch: Any) -> int:
         """Images in one batch (the generic entry counts a batch as one item)."""
@@ -144,9 +153,11 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
     swap_attention(bare, cfg.candidates, cfg.variant)
     rank, world = adapter.world()
     batches = take_batches(data, cfg.num_images, world, adapter.batch_len, adapter.data_hint)
+    detect = adapter.detect(bare)
     report = calibrate_model(bare, batches, adapter.forward(bare), cfg, all_reduce=adapter.all_reduce_sum,
                              log=adapter.log, progress=adapter.progress, shard=(rank, world),
-                             positions=adapter.positions(data, batches))
+                             positions=adapter.positions(data, batches),
+                             fidelity=DetectionDisagreement(detect) if detect is not None else None)
     adapter.log("[latte] per-layer calibration:\n" + format_layer_table(report))
     return report
 

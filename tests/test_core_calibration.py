@@ -330,27 +330,134 @@ def test_auto_correction_is_chosen_by_cross_fitting_per_layer():
 
 
 def test_auto_selection_and_accuracy_target():
-    """selection='auto' scores score / greedy / backward on the choice images and keeps the best;
-    target= makes as many layers linear as the budget allows, monotone in the budget."""
+    """selection='auto' compares score / greedy / backward by cross-fitted error on images the
+    searches did not see and keeps the best; target= makes as many layers linear as the budget
+    allows: the chosen count is within it and every larger count is not."""
     def run(**kw):
         model = ToyEncoder().eval()
         swap_mha(model, ["layers.*.attn"])
-        return calibrate_model(model, toy_batches(n=8), lambda b: model(b),
-                               LatteConfig(candidates=["layers.*.attn"], steps=3, **kw), log=lambda s: None)
+        return calibrate_model(model, toy_batches(n=16), lambda b: model(b),
+                               LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, **kw),
+                               log=lambda s: None)
 
     rep = run(ratio=0.67)
     sel = rep["selection"]
-    assert sel["method"] == "auto" and set(sel["choice_distortion"]) == {"score", "greedy", "backward"}
-    assert sel["choice_distortion"][sel["chosen"]] == min(sel["choice_distortion"].values())
+    assert sel["method"] == "auto" and set(sel["crossfit_distortion"]) == {"score", "greedy", "backward"}
+    assert sel["crossfit_distortion"][sel["chosen"]] == min(sel["crossfit_distortion"].values())
+    assert sel["judge_images"] == 12 + 2 - 4  # fit + choice images minus the 4 the searches used
+    assert sel["heldout"]["raw_mse"] == sel["heldout_distortion"] > 0 and sel["heldout"]["fidelity"] > 0
     counts = []
     for target in (1e-9, 1e-2, 1e9):
         rep = run(target=target)
         budget = rep["selection"]["target"]
-        assert len(rep["linearized"]) == budget["k"]
-        prefix = budget["relative_distortion"]
-        assert budget["k"] == 0 or prefix[budget["k"]] <= target  # within the budget
-        assert all(prefix[j] > target for j in prefix if j > budget["k"])  # and no larger count is
+        assert len(rep["linearized"]) == budget["k"] == rep["selection"]["k"]
+        losses = budget["losses"]
+        assert budget["k"] == 0 or min(losses[budget["k"]].values()) <= target  # within the budget
+        assert all(min(losses[j].values()) > target for j in losses if j > budget["k"])  # no larger count is
         counts.append(budget["k"])
     assert counts[0] == 0 and counts[2] == 6 and counts[0] <= counts[1] <= counts[2]
     with pytest.raises(ValueError, match="target"):
         LatteConfig(target=0.0).validate()
+
+
+def test_fold_weights_are_the_correction_refitted_without_each_fold():
+    """fit_layer(fold_of=...): for each fold, the stored weights equal the same correction fitted
+    from scratch on the other folds' items only (so cross-fitted evaluation never runs an image
+    with a correction fitted on it)."""
+    from latte_plugin.core.calibration import (_normal_sums, _stack_by_shape, assign_folds, correction_weights,
+                                               item_position)
+
+    layer, fit_rec, choose_rec, _ = _three_roles()
+    for it in fit_rec.items + choose_rec.items:  # keys as the flow sets them: position * KEY_STRIDE
+        it.key = it.key * 1024
+    pool = fit_rec.items + choose_rec.items
+    fold_of = assign_folds([item_position(it) for it in pool], 4)
+    for correction in ("auto", "refit", "sigma"):
+        res = fit_layer(layer, fit_rec.items, steps=3, correction=correction, choose=choose_rec.items,
+                        fold_of=fold_of)
+        trained = pool if correction == "auto" else fit_rec.items
+        reg = res.refit_reg
+        assert len(res.fold_weights) == 4
+        for f, w in enumerate(res.fold_weights):
+            rest = [it for it in trained if fold_of[item_position(it)] != f]
+            ref = correction_weights(res.kind, _normal_sums(layer, _stack_by_shape(rest), lambda t: t), reg)
+            assert torch.allclose(w, ref, rtol=1e-6, atol=1e-8), (correction, f)
+        assert not torch.allclose(res.fold_weights[0], res.weights) or res.kind == "none"
+
+
+def test_cross_fitted_runs_each_image_with_its_folds_correction():
+    """cross_fitted applies fold f's weights while fold f's images run, and restores the full ones."""
+    from latte_plugin.core.flow import cross_fitted
+
+    model = ToyEncoder().eval()
+    swap_mha(model, ["layers.*.attn"])
+    layers = find_latte_layers(model)
+    c = next(iter(layers.values())).embed_dim
+    corrections = {}
+    for n in layers:
+        full = torch.zeros(c + 1, c, dtype=torch.float64)
+        full[:c].diagonal().fill_(9.0)
+        per_fold = []
+        for f in range(3):
+            w = full.clone()
+            w[:c].diagonal().fill_(float(f + 1))
+            per_fold.append(w)
+        corrections[n] = ("sigma", full, per_fold)
+    first = next(iter(layers))
+    seen = {}
+
+    class Probe:
+        name = "probe"
+
+        def zeros(self):
+            return torch.zeros(1, dtype=torch.float64)
+
+        def run(self, pos):
+            seen[pos] = float(layers[first].sigma[0])
+            return None
+
+        def sums(self, ref, out):
+            return torch.ones(1, dtype=torch.float64)
+
+        def loss(self, total):
+            return float(total[0])
+
+    batches = [(p, p) for p in range(7)]
+    fold_of = {p: p % 3 for p in range(7)}
+    loss = cross_fitted(layers, corrections, batches, fold_of, Probe(), lambda t: t)
+    assert loss(list(layers)) == 7.0
+    assert seen == {p: float(p % 3 + 1) for p in range(7)}
+    assert float(layers[first].sigma[0]) == 9.0  # restored
+
+
+def test_error_compensation_refits_against_the_exact_model_and_is_kept_only_if_it_helps():
+    """compensate=: each linear layer's correction is refitted in model order on inputs from the
+    hybrid against the exact model's outputs. The first linear layer sees exact inputs, so its
+    refit equals the plain fit; 'auto' keeps the compensation only when the cross-fitted output
+    error is lower, and the layers then hold the kept corrections; 'never' does not run it."""
+    def run(compensate):
+        model = ToyEncoder().eval()
+        swap_mha(model, ["layers.*.attn"])
+        rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b),
+                              LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, ratio=0.67,
+                                          correction="refit", refit_reg=(0.01,), compensate=compensate),
+                              log=lambda s: None)
+        return model, rep
+
+    _, never = run("never")
+    assert "compensation" not in never["selection"]
+    assert all("compensated" not in f for f in never["fit"].values())
+    model, always = run("always")
+    comp = always["selection"]["compensation"]
+    assert comp["kept"] is True and set(comp["crossfit_distortion"]) == {"plain", "compensated"}
+    first, *later = always["linearized"]
+    assert always["fit"][first]["compensated"]["mse_final"] == pytest.approx(always["fit"][first]["mse_final"])
+    assert any(always["fit"][n]["compensated"]["mse_final"] != pytest.approx(always["fit"][n]["mse_final"])
+               for n in later)
+    layers = find_latte_layers(model)
+    assert all(bool(layers[n].refit_on) for n in always["linearized"])
+    _, auto = run("auto")
+    c = auto["selection"]["compensation"]
+    assert c["kept"] == (c["crossfit_distortion"]["compensated"] < c["crossfit_distortion"]["plain"])
+    with pytest.raises(ValueError, match="compensate"):
+        LatteConfig(compensate="sometimes").validate()

@@ -134,3 +134,19 @@ def test_latte_rtdetr_registers_calibrates_and_evaluates_with_mmdet_and_mmcv_uni
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["mm"] == [] and result["calibrated"] and result["layers"] == 7 and result["linear"] == 5
     assert result["AP"] == result["AP"] and result["AP"] > 0  # a number, and the trained model finds objects
+
+
+def test_detectron2_adapter_detects_with_the_models_own_postprocessing():
+    """Detectron2Adapter.detect() (what target= compares) gives the boxes, scores and classes the
+    meta-architecture returns, without triggering its self-calibration."""
+    from latte_plugin.detectron2 import LatteRTDETR
+    from latte_plugin.detectron2.calibrate import ADAPTER
+
+    torch.manual_seed(0)
+    model = LatteRTDETR(hf_config=TINY_JSON, max_per_img=30).eval()
+    with torch.no_grad():
+        dets, out = ADAPTER.detect(model)(_inputs(0)), model(_inputs(0))
+    assert len(dets) == len(out) == 2
+    for (boxes, scores, labels), r in zip(dets, out):
+        assert torch.equal(boxes, r["instances"].pred_boxes.tensor) and torch.equal(scores, r["instances"].scores)
+        assert torch.equal(labels, r["instances"].pred_classes)

@@ -370,3 +370,26 @@ def test_embedded_latte_configs_swap_their_candidates(name, count, linear):
     latte = LatteConfig.from_dict(hook)
     names = linearize_model(_build(cfg.model), latte)
     assert len(names) == count and num_linear_layers(count, latte.ratio, latte.num_linear) == linear
+
+
+def test_target_budgets_detection_disagreement_on_the_embedded_detector(synthetic_256, tmp_path):
+    """target= on a detector: the mmdet adapter's detect() runs mmdet's own post-processing, the
+    flow budgets 1 - agreement of the hybrid's confident detections with the exact model's, and
+    the report gives the count it allowed and the figure on the report images."""
+    from latte_plugin.core.fidelity import DetectionDisagreement
+    from latte_plugin.mmdet.workflow import run_calibration
+
+    cfg = tiny_cfg(synthetic_256, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
+                                                                    "cond_detr_r18_synthetic_latte.py"),
+                   num_images=8, steps=5)
+    cfg_path = tmp_path / "embedded.py"
+    cfg.dump(str(cfg_path))
+    report = run_calibration(str(cfg_path), os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth"),
+                             str(tmp_path / "cal"), overrides=dict(target=0.05, greedy_images=4))
+    sel = report["selection"]
+    assert sel["target"]["measure"] == DetectionDisagreement.name == sel["heldout"]["measure"]
+    assert sel["k"] == sel["target"]["k"] == len(report["linearized"])
+    losses = {int(k): v for k, v in sel["target"]["losses"].items()}
+    assert all(min(v.values()) > 0.05 for k, v in losses.items() if k > sel["k"])
+    assert sel["k"] == 0 or min(losses[sel["k"]].values()) <= 0.05
+    assert losses[6]["score"] > 0  # all six linear changes the detections

@@ -50,6 +50,8 @@ def main(argv=None) -> dict:
     p.add_argument("--work-dir", default="work_dirs/main_job")
     p.add_argument("--rows", nargs="+", help="row names to run (default: all)")
     p.add_argument("--num-images", type=int, help="calibration images (default: the config's)")
+    p.add_argument("--data-root", help="another generated split (same layout as data/synthetic), e.g. one made "
+                                       "with another seed: calibrate on its train split, evaluate on its val split")
     p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
     p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
     a = p.parse_args(argv)
@@ -66,21 +68,37 @@ def main(argv=None) -> dict:
     return report
 
 
+def use_data_root(cfg, root: str) -> None:
+    """Points the config's datasets and evaluators at ``root`` (a generated split)."""
+    if not os.path.isfile(os.path.join(root, "annotations", "instances_val.json")):
+        raise SystemExit(f"--data-root {root}: no annotations/instances_val.json there; generate it with "
+                         f"python -m latte_plugin.data.synthetic {root} --seed N")
+    root = root.rstrip("/") + "/"
+    for loader in ("train_dataloader", "val_dataloader", "test_dataloader"):
+        if cfg.get(loader):
+            cfg[loader].dataset.data_root = root
+    for ev in ("val_evaluator", "test_evaluator"):
+        if cfg.get(ev):
+            cfg[ev].ann_file = root + "annotations/instances_val.json"
+
+
 def results_file(report: dict, a: argparse.Namespace) -> dict:
     """What the README's tables are made from: per-row metrics, the default row's choices, timing."""
     keep = ("default_row", "metrics", "rows", "config", "checkpoint", "seconds", "retained", "attention_gflops")
     out = {k: report[k] for k in keep if k in report}
     out["choices"] = {name: {"linearized": r["linearized"], "images": r["selection"].get("images"),
                              "heldout_distortion": r["selection"].get("heldout_distortion"),
-                             "selection": {k: r["selection"].get(k) for k in ("method", "chosen", "choice_distortion",
-                                                                            "target")},
-                             "layers": {n: {k: f.get(k) for k in ("steps", "refit_reg", "correction", "heldout_mse",
-                                                                   "heldout", "choice")}
+                             "selection": {k: r["selection"].get(k) for k in (
+                                 "method", "chosen", "crossfit_distortion", "target", "judge_images", "heldout", "compensation")},
+                             "layers": {n: dict({k: f.get(k) for k in ("steps", "refit_reg", "correction",
+                                                                       "heldout_mse", "heldout", "choice")},
+                                                compensated=(f.get("compensated") or {}).get("correction"))
                                         for n, f in r["fit"].items()}}
                       for name, r in report.get("row_reports", {}).items()}
     out["command"] = "python tools/main_job.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
-                                                     ("num_images", a.num_images)) if v)
+                                                     ("num_images", a.num_images), ("data_root", a.data_root)) if v) + (
+        " --rows " + " ".join(f"'{r}'" if "%" in r else r for r in a.rows) if a.rows else "")
     return out
 
 
@@ -99,6 +117,8 @@ def run(a: argparse.Namespace) -> dict:
 
     t0 = time.time()
     cfg = Config.fromfile(a.config)
+    if a.data_root:
+        use_data_root(cfg, a.data_root)
     hooks = [h for h in cfg.get("custom_hooks", []) if h.get("type") == "LinearizeHook"]
     if not hooks:
         raise SystemExit(f"{a.config} has no LinearizeHook in custom_hooks")

@@ -39,9 +39,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def main_job_table(model: str) -> str:
-    """Every row of the main job on one embedded model."""
-    res = _load(f"main_job_{model}.json")
+def main_job_table(model: str, prefix: str = "main_job") -> str:
+    """Every row of the main job on one embedded model (``prefix="fresh_split"``: on the fresh split)."""
+    res = _load(f"{prefix}_{model}.json")
     rows = []
     for name, m in res["metrics"].items():
         if name == "linearized":
@@ -49,9 +49,9 @@ def main_job_table(model: str) -> str:
         rows.append([name, m["linear"], f"{m['bbox_mAP']:.3f}", f"{m['bbox_mAP_50']:.3f}",
                      _num(100 * m["retained"] if m.get("retained") is not None else None, ".1f"),
                      f"{m['attention_gflops']:.4f}", _num(m.get("heldout_distortion"), ".3e"),
-                     _num(m.get("heldout_mse"), ".3e")])
+                     _num(m.get("heldout_fidelity"), ".3f"), _num(m.get("heldout_mse"), ".3e")])
     head = ["row", "linear", "bbox mAP", "mAP@.5", "% kept", "attn GFLOPs", "held-out distortion",
-            "held-out layer MSE"]
+            "held-out detection disagreement", "held-out layer MSE"]
     return _table(head, rows) + f"\n\n`{res['command']}`: {res['seconds'] / 60:.1f} min on 2 CPU cores."
 
 
@@ -70,14 +70,17 @@ def choices_table(model: str) -> str:
                      _num(best_other, ".3e")])
     imgs = ch.get("images") or {}
     sel = ch.get("selection") or {}
-    dist = sel.get("choice_distortion") or {}
+    dist = sel.get("crossfit_distortion") or {}
+    held = sel.get("heldout") or {}
     head = ["layer", "state", "L-BFGS steps", "correction (chosen)", "its held-out MSE", "sigma's (the paper's)",
             "best other candidate's"]
     sel_txt = ", ".join(f"{m} {_num(v, '.3e')}" for m, v in dist.items())
     return (_table(head, rows) + f"\n\nDefault row `{row}`: {imgs.get('fit', '-')} fit images, "
             f"{imgs.get('choose', '-')} choice images, {imgs.get('report', '-')} report images. Selection: "
-            f"`{sel.get('chosen') or sel.get('method')}` (output distortion on the choice images: {sel_txt or '-'}); "
-            f"its output distortion on the report images {_num(ch.get('heldout_distortion'), '.3e')}.")
+            f"`{sel.get('chosen') or sel.get('method')}` (cross-fitted output MSE on the "
+            f"{sel.get('judge_images', '-')} fit and choice images the searches did not see: {sel_txt or '-'}); "
+            f"on the report images, output MSE {_num(ch.get('heldout_distortion'), '.3e')} and detection "
+            f"disagreement {_num(held.get('fidelity'), '.3f')}.")
 
 
 def parity_table() -> str:
@@ -167,13 +170,16 @@ def sequence_table() -> str:
     rows = []
     for r in res["rows"]:
         corr = sorted(set((r.get("corrections") or {}).values()))
-        rows.append([r["row"], f"{r['accuracy']:.3f}", f"{100 * r['accuracy'] / exact['accuracy']:.1f}",
-                     f"{r['cosine']:.4f}", ", ".join(n.split(".")[-2] for n in r.get("linearized", [])) or "-",
-                     r.get("selection") or "-", ", ".join(corr) or "-"])
-    head = ["row", "test accuracy", "% kept", "cosine to exact (pooled CLS)", "linear layers", "selection",
-            "corrections used"]
+        rows.append([r.get("budget", "-") if "linearized" in r else "-", r["row"], f"{r['accuracy']:.3f}",
+                     f"{100 * r['accuracy'] / exact['accuracy']:.1f}", f"{r['cosine']:.4f}",
+                     ", ".join(n.split(".")[-2] for n in r.get("linearized", [])) or "-",
+                     r.get("selection") or "-", ", ".join(corr) or "-",
+                     ("yes" if r.get("compensated") else "no") if "linearized" in r else "-"])
+    head = ["calibration", "row", "test accuracy", "% kept", "cosine to exact (pooled CLS)", "linear layers",
+            "selection", "corrections used", "compensated"]
+    budgets = "; ".join(f"{b}: {v}" for b, v in res["calibration"].items())
     return _table(head, rows) + f"\n\n`{res['command']}`: {res['seconds'] / 60:.1f} min on 2 CPU cores; " \
-        f"calibration {res['calibration']}, test {res['test']}."
+        f"calibration {budgets}; test {res['test']}."
 
 
 TABLES: dict[str, Callable[[], str]] = {
@@ -182,6 +188,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "onnx_cpu": onnx_cpu_table,
     "main:cond_detr": lambda: main_job_table("cond_detr"),
     "main:rtdetr": lambda: main_job_table("rtdetr"),
+    "fresh:cond_detr": lambda: main_job_table("cond_detr", "fresh_split"),
+    "fresh:rtdetr": lambda: main_job_table("rtdetr", "fresh_split"),
     "choices:cond_detr": lambda: choices_table("cond_detr"),
     "choices:rtdetr": lambda: choices_table("rtdetr"),
     "parity": parity_table,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -20,9 +20,10 @@ from torch import Tensor
 from . import kernels
 from .layer import LatteParams
 
-__all__ = ["RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "FitResult",
+__all__ = ["RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "fit_correction", "FitResult",
            "reconstruction_error", "AllReduce", "CORRECTIONS", "REFIT_REGS", "REFIT_FALLBACK",
-           "cross_fit_correction", "correction_candidates"]
+           "cross_fit_correction", "correction_candidates", "partition", "assign_folds", "apply_correction", "set_correction",
+           "item_position", "KEY_STRIDE", "CROSS_FIT_FOLDS"]
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -48,6 +49,15 @@ class RecordedItem:
     mask: Optional[Tensor] = None
     key: int = 0
     priority: float = 0.0
+
+
+#: An item's key is ``batch position * KEY_STRIDE + index in the batch``.
+KEY_STRIDE = 1024
+
+
+def item_position(item: RecordedItem) -> int:
+    """The global batch position an item was recorded at (see :class:`LayerRecorder`)."""
+    return int(item.key) // KEY_STRIDE
 
 
 def image_generator(seed: int, key: int) -> torch.Generator:
@@ -98,8 +108,8 @@ class LayerRecorder:
                     "check the input images and the checkpoint"
                 )
         for b in range(q.shape[0]):
-            # image b of batch p is image key p * 1024 + b: global, whatever the rank or order
-            key = self.seen if self.batch_key is None else int(self.batch_key) * 1024 + b
+            # image b of batch p is image key p * KEY_STRIDE + b: global, whatever the rank or order
+            key = self.seen if self.batch_key is None else int(self.batch_key) * KEY_STRIDE + b
             self.seen += 1
             self._add(self._item(q, k, v, key_padding_mask, out, attn_mask, b, key))
 
@@ -215,6 +225,9 @@ class FitResult:
             ``{"none": mse, "sigma": mse, "refit": mse}``; with ``correction='auto'``, every
             candidate's (``refit@<strength>`` each).
         correction: the correction applied (with ``auto``: the chosen candidate, e.g. ``refit@0.01``).
+        kind: its kind (``none``, ``sigma`` or ``refit``); weights: its ``(C+1, C)`` weights.
+        fold_weights: per fold, the same correction fitted without that fold's images (for
+            cross-fitted evaluation of the whole model); empty without a fold assignment.
     """
 
     initial_mse: float
@@ -226,6 +239,9 @@ class FitResult:
     choice: dict = field(default_factory=dict)
     heldout: dict = field(default_factory=dict)
     correction: str = "none"
+    kind: str = "none"
+    weights: Optional[Tensor] = None
+    fold_weights: list = field(default_factory=list)
 
 
 def _sum_count(values: list[tuple[Tensor, float]], all_reduce: AllReduce) -> Tensor:
@@ -393,11 +409,15 @@ class _Stacked:
         return all_reduce(loss.detach().clone())
 
 
-def _reset(layer: LatteParams, m0: float) -> None:
+def _reset_correction(layer: LatteParams) -> None:
     layer.sigma.fill_(1.0)
     layer.refit_on.fill_(False)
     layer.refit_weight.copy_(torch.eye(layer.embed_dim))
     layer.refit_bias.zero_()
+
+
+def _reset(layer: LatteParams, m0: float) -> None:
+    _reset_correction(layer)
     layer.m.fill_(m0)
     layer.log_rho.fill_(0.0)
 
@@ -516,40 +536,72 @@ def apply_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
         layer.refit_on.fill_(True)
 
 
+def set_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
+    """Replaces whatever correction the layer holds by ``kind`` with weights ``w``."""
+    _reset_correction(layer)
+    apply_correction(layer, kind, w)
+
+
 def correction_candidates(refit_regs: tuple) -> dict[str, tuple[str, Optional[float]]]:
     """``correction='auto'``'s candidates, the paper's sigma first (it wins ties)."""
     return {"sigma": ("sigma", None), "none": ("none", None),
             **{f"refit@{float(r):g}": ("refit", float(r)) for r in refit_regs}}
 
 
-def cross_fit_correction(layer: LatteParams, items: list[RecordedItem], refit_regs: tuple,
-                         folds: int = CROSS_FIT_FOLDS) -> tuple[str, dict[str, float], dict[str, Tensor]]:
-    """Chooses a layer's output correction by k-fold cross-fitting over ``items``.
+def partition(items: list[RecordedItem], folds: int, fold_of: Optional[dict[int, int]] = None) -> list[list]:
+    """Items dealt to ``folds`` folds: by ``fold_of[position]`` when given (every layer then
+    shares the same folds), else round-robin in the order given."""
+    if fold_of is None:
+        return [items[i::folds] for i in range(min(folds, len(items)))]
+    parts: list[list] = [[] for _ in range(folds)]
+    for it in items:
+        parts[fold_of[item_position(it)]].append(it)
+    return parts
 
-    The items (in key order) are dealt to ``folds`` folds; each candidate is fitted on the other
-    folds' sufficient statistics and scored on the fold left out, so no error is measured on
-    data its correction was fitted on. Closed form throughout: the folds' sums are computed once.
 
-    Returns:
-        ``(chosen candidate, {candidate: cross-fitted MSE}, the sums of all items)``.
-    """
-    parts = [items[i::folds] for i in range(min(folds, len(items)))]
-    sums = [_normal_sums(layer, _stack_by_shape(p), _no_reduce) for p in parts if p]
+def assign_folds(positions: Iterable[int], folds: int = CROSS_FIT_FOLDS) -> dict[int, int]:
+    """``{global position: fold}``: the sorted positions dealt round-robin, so the same images
+    share a fold in every layer and on every rank."""
+    return {p: i % folds for i, p in enumerate(sorted(set(int(p) for p in positions)))}
+
+
+def _total(sums: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     total = sums[0]
     for extra in sums[1:]:
         total = _add_sums(total, extra)
+    return total
+
+
+def _without(total: dict[str, Tensor], part: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: total[k] - part[k] for k in total}
+
+
+def cross_fit_correction(layer: LatteParams, parts: list[list[RecordedItem]], refit_regs: tuple
+                         ) -> tuple[str, dict[str, float], dict[str, Tensor], list[dict[str, Tensor]]]:
+    """Chooses a layer's output correction by k-fold cross-fitting over the folds ``parts``.
+
+    Each candidate is fitted on the other folds' sufficient statistics and scored on the fold
+    left out, so no error is measured on data its correction was fitted on. Closed form
+    throughout: the folds' sums are computed once.
+
+    Returns:
+        ``(chosen candidate, {candidate: cross-fitted MSE}, the sums of all items, each fold's sums)``.
+    """
+    sums = [_normal_sums(layer, _stack_by_shape(p), _no_reduce) for p in parts]
+    total = _total(sums)
+    used = [f for f in sums if float(f["rows"]) > 0]
     cands = correction_candidates(refit_regs)
     errs: dict[str, float] = {}
     for name, (kind, reg) in cands.items():
-        if len(sums) < 2:  # one fold: nothing to leave out; fall back to the paper's sigma
+        if len(used) < 2:  # one fold: nothing to leave out; fall back to the paper's sigma
             errs[name] = 0.0 if name == "sigma" else math.inf
             continue
-        sse = sum(_correction_mse(correction_weights(kind, {k: total[k] - f[k] for k in f}, reg), f)
-                  * float(f["rows"]) for f in sums)
+        sse = sum(_correction_mse(correction_weights(kind, _without(total, f), reg), f) * float(f["rows"])
+                  for f in used)
         err = sse / float(total["rows"])
         errs[name] = err if math.isfinite(err) else math.inf
     order = list(cands)
-    return min(order, key=lambda n: (errs[n], order.index(n))), errs, total
+    return min(order, key=lambda n: (errs[n], order.index(n))), errs, total, sums
 
 
 def fit_layer(
@@ -563,6 +615,7 @@ def fit_layer(
     choose: Optional[list[RecordedItem]] = None,
     report: Optional[list[RecordedItem]] = None,
     refit_regs: tuple = REFIT_REGS,
+    fold_of: Optional[dict[int, int]] = None,
 ) -> FitResult:
     """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
 
@@ -581,6 +634,9 @@ def fit_layer(
         per_head: one ``(m, log_rho)`` per head; else one pair shared by the layer (the paper).
         choose, report: recordings of the choice and report images (optional).
         refit_regs: ridge strengths compared on ``choose`` (one value: used as is).
+        fold_of: ``{global position: fold}`` (:func:`assign_folds`) of the fit and choice images:
+            ``auto`` cross-fits over these folds, and the result holds, per fold, the correction
+            fitted without it (``fold_weights``). Without it, ``auto`` deals items round-robin.
 
     Raises:
         ValueError: no recorded items; an unknown correction; several refit strengths, no choice items.
@@ -603,32 +659,69 @@ def fit_layer(
     layer.m.copy_(m.expand(layer.num_heads))
     layer.log_rho.copy_(log_rho.expand(layer.num_heads))
 
-    name, (kind, reg), sums, cands, choice = _fit_correction(layer, correction, fit, chooser, items, choose,
-                                                             refit_regs, all_reduce)
-    apply_correction(layer, kind, correction_weights(kind, sums, reg))
+    res = fit_correction(layer, items, correction, all_reduce, choose, report, refit_regs, fold_of, fit, chooser)
+    return replace(res, initial_mse=initial, alpha_init=alpha0, steps=n_steps,
+                   choice={"steps": step_trace, **res.choice})
+
+
+def fit_correction(
+    layer: LatteParams,
+    items: list[RecordedItem],
+    correction: str = "auto",
+    all_reduce: AllReduce = _no_reduce,
+    choose: Optional[list[RecordedItem]] = None,
+    report: Optional[list[RecordedItem]] = None,
+    refit_regs: tuple = REFIT_REGS,
+    fold_of: Optional[dict[int, int]] = None,
+    fit: Optional[_Stacked] = None,
+    chooser: Optional[_Stacked] = None,
+) -> FitResult:
+    """Fits only the output correction of a layer whose kernel scalars are set, in place
+    (arguments as in :func:`fit_layer`; ``fit``/``chooser``: the items already stacked).
+
+    Also what error compensation refits: the items' targets may then be the *exact* model's
+    outputs while their q, k, v come from the hybrid model.
+    """
+    fit = fit if fit is not None else _Stacked.of(items, all_reduce)
+    if chooser is None and float(all_reduce(torch.tensor([float(len(choose or []))], dtype=torch.float64))[0]) > 0:
+        chooser = _Stacked.of(choose or [], all_reduce)
+    _reset_correction(layer)
+    name, (kind, reg), sums, part_sums, cands, choice = _fit_correction(
+        layer, correction, fit, chooser, items, choose, refit_regs, all_reduce, fold_of)
+    weights = correction_weights(kind, sums, reg)
+    apply_correction(layer, kind, weights)
     layer.calibrated.fill_(True)
-    heldout = _report_errors(layer, sums, report or [], all_reduce, cands) if float(counts[2]) > 0 else {}
-    return FitResult(initial_mse=initial, final_mse=reconstruction_error(layer, items, all_reduce),
-                     alpha_init=alpha0, heldout_mse=heldout.get(name), steps=n_steps,
-                     refit_reg=reg if kind == "refit" else None, choice={"steps": step_trace, **choice},
-                     heldout=heldout, correction=name)
+    has_report = float(all_reduce(torch.tensor([float(len(report or []))], dtype=torch.float64))[0]) > 0
+    heldout = _report_errors(layer, sums, report or [], all_reduce, cands) if has_report else {}
+    final = reconstruction_error(layer, items, all_reduce)
+    return FitResult(initial_mse=final, final_mse=final, alpha_init=float(layer.alpha), heldout_mse=heldout.get(name),
+                     refit_reg=reg if kind == "refit" else None, choice=choice, heldout=heldout, correction=name,
+                     kind=kind, weights=weights,
+                     fold_weights=[correction_weights(kind, _without(sums, p), reg) for p in part_sums])
 
 
 def _fit_correction(layer: LatteParams, correction: str, fit: _Stacked, chooser: Optional[_Stacked],
                     items: list[RecordedItem], choose: Optional[list[RecordedItem]], refit_regs: tuple,
-                    all_reduce: AllReduce) -> tuple:
-    """The correction to apply: ``(name, (kind, strength), sums it is fitted on, candidates to
-    report on, {what chose it})``. ``auto`` cross-fits over the fit and choice items; a fixed
-    correction is fitted on the fit items, the refit's strength chosen on the choice items."""
+                    all_reduce: AllReduce, fold_of: Optional[dict[int, int]]) -> tuple:
+    """The correction to apply: ``(name, (kind, strength), sums it is fitted on, those sums per
+    fold (empty without ``fold_of``), candidates to report on, {what chose it})``. ``auto``
+    cross-fits over the fit and choice items; a fixed correction is fitted on the fit items,
+    the refit's strength chosen on the choice items."""
+    folds = max(fold_of.values()) + 1 if fold_of else CROSS_FIT_FOLDS
     if correction == "auto":
-        name, cv, sums = cross_fit_correction(layer, list(items) + list(choose or []), refit_regs)
+        parts = partition(list(items) + list(choose or []), folds, fold_of)
+        name, cv, sums, part_sums = cross_fit_correction(layer, parts, refit_regs)
         cands = correction_candidates(refit_regs)
-        return name, cands[name], sums, cands, {"correction": cv}
-    sums = _normal_sums(layer, fit.groups, all_reduce)
+        return name, cands[name], sums, part_sums if fold_of else [], cands, {"correction": cv}
+    if fold_of:
+        part_sums = [_normal_sums(layer, _stack_by_shape(p), all_reduce) for p in partition(items, folds, fold_of)]
+        sums = _total(part_sums)
+    else:
+        part_sums, sums = [], _normal_sums(layer, fit.groups, all_reduce)
     choose_sums = _normal_sums(layer, chooser.groups, all_reduce) if chooser is not None else None
     reg, reg_trace = choose_refit_reg(sums, choose_sums, refit_regs) if correction == "refit" else (None, {})
     cands = {c: (c, reg if reg is not None else REFIT_FALLBACK) for c in ("none", "sigma", "refit")}
-    return correction, (correction, reg), sums, cands, {"refit_reg": reg_trace}
+    return correction, (correction, reg), sums, part_sums, cands, {"refit_reg": reg_trace}
 
 
 def _report_errors(layer: LatteParams, sums: dict[str, Tensor], report: list[RecordedItem],

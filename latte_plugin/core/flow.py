@@ -15,8 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from . import flops as flops_mod
-from .calibration import (CORRECTIONS, REFIT_FALLBACK, REFIT_REGS, AllReduce, LayerRecorder, _no_reduce, fit_layer,
+from .calibration import (CORRECTIONS, CROSS_FIT_FOLDS, REFIT_FALLBACK, REFIT_REGS, AllReduce, FitResult,
+                          LayerRecorder, _no_reduce, assign_folds, fit_correction, fit_layer, set_correction,
                           share_items)
+from .fidelity import RawDistortion
 from .kernels import VARIANTS
 from .layer import LatteParams
 from .selection import SensitivityStats, backward_select, greedy_select, num_linear_layers, select_by_score
@@ -38,6 +40,9 @@ SELECTIONS = ("score", "greedy", "backward", "auto")
 #: When a model calibrates: ``auto`` only if its LATTE layers hold no calibrated state,
 #: ``always`` even if they do, ``never`` (an uncalibrated model is then an error).
 CALIBRATE = ("auto", "always", "never")
+#: Error compensation after the selection: ``auto`` keeps it only where it lowers the
+#: cross-fitted output error.
+COMPENSATE = ("auto", "always", "never")
 
 
 @dataclass
@@ -61,8 +66,9 @@ class LatteConfig:
         holdout: fraction of calibration images held out; half of them choose the knobs, the other half only report held-out errors; 0 disables.
         per_head: fit one (alpha, rho) per head instead of one per layer (beyond the paper).
         sequential: fit layer l on inputs from the model with the layers before it already linear.
-        selection: greedy (add the layer that hurts the final output least), backward (start all-linear, restore the most harmful), score (the paper's per-layer score), or auto (per model, the one of these with the lowest output distortion on the choice images).
-        target: accuracy budget instead of a count: the largest number of layers (in greedy order) whose relative output distortion on the choice images stays within it, e.g. 0.01 (ratio and num_linear are then ignored).
+        compensate: error compensation after the selection: refit each linear layer's output correction, in model order, on inputs from the hybrid (earlier linear layers in place) against the exact model's outputs; auto (keep it only if its cross-fitted output error is lower), always, or never.
+        selection: greedy (add the layer that hurts the final output least), backward (start all-linear, restore the most harmful), score (the paper's per-layer score), or auto (per model, the one of these with the lowest cross-fitted output error on calibration images the searches did not see).
+        target: fidelity budget instead of a count: the most layers whose cross-fitted fidelity loss stays within it; for detectors 1 - agreement of the hybrid's detections with the exact model's (0.05 keeps 95%), else the relative raw-output distortion (ratio and num_linear are then ignored).
         lam: lambda of the sensitivity score.
         greedy_images: calibration images the global selections compare outputs on.
         mode: mode of the selected layers: linear, or dynamic (softmax below threshold keys).
@@ -85,6 +91,7 @@ class LatteConfig:
     holdout: float = 0.25
     per_head: bool = False
     sequential: bool = False
+    compensate: str = "auto"
     selection: str = "auto"
     target: Optional[float] = None
     lam: float = 10.0
@@ -105,7 +112,9 @@ class LatteConfig:
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
         if self.target is not None and not float(self.target) > 0:
-            raise ValueError(f"target (a relative output distortion) must be > 0, got {self.target}")
+            raise ValueError(f"target (a fidelity loss budget, e.g. 0.05) must be > 0, got {self.target}")
+        if self.compensate not in COMPENSATE:
+            raise ValueError(f"compensate must be one of {', '.join(COMPENSATE)}, got {self.compensate!r}")
         if self.calibrate not in CALIBRATE:
             raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {self.calibrate!r}")
         if self.mode not in ("linear", "dynamic"):
@@ -177,22 +186,6 @@ def set_modes(layers: dict[str, LatteParams], linear: Iterable[str], mode: str =
     linear = set(linear)
     for name, layer in layers.items():
         layer.mode = mode if name in linear else "exact"
-
-
-def _tensors(out: Any) -> list[Tensor]:
-    if isinstance(out, Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _tensors(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _tensors(v)]
-    return []
-
-
-def _output_sq_error(a: Any, b: Any) -> tuple[float, int]:
-    ta, tb = _tensors(a), _tensors(b)
-    err = sum(float(((x.double() - y.double()) ** 2).sum()) for x, y in zip(ta, tb) if x.is_floating_point())
-    return err, sum(x.numel() for x in ta if x.is_floating_point())
 
 
 def _passthrough(it: Iterable, total: int, desc: str) -> Iterable:
@@ -298,20 +291,59 @@ def _refit_regs(cfg: LatteConfig, split: CalibrationSplit, log: Callable[[str], 
 
 
 def fit_layers(layers: dict[str, LatteParams], group: list[str], recs: dict, cfg: LatteConfig,
-               refit_regs: tuple, log: Callable[[str], None]) -> dict[str, dict]:
-    """Fits each layer of ``group`` on its ``fit`` records (knobs on ``choose``, errors on ``report``)."""
-    fits = {}
+               refit_regs: tuple, log: Callable[[str], None], fold_of: dict[int, int]) -> tuple[dict, dict]:
+    """Fits each layer of ``group`` on its ``fit`` records (knobs on ``choose``, errors on ``report``).
+
+    Returns:
+        ``({layer: report entry}, {layer: (correction kind, weights, weights per fold)})``; the
+        second feeds :func:`cross_fitted`.
+    """
+    fits, corrections = {}, {}
     for n in group:
         # every rank holds every item (share_items): no all-reduce, so the sums run in one fixed order
         res = fit_layer(layers[n], recs["fit"][n].items, cfg.steps, cfg.lr, cfg.correction, _no_reduce, cfg.per_head,
-                        choose=recs["choose"][n].items, report=recs["report"][n].items, refit_regs=refit_regs)
-        fits[n] = {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
-                   "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
-                   "heldout": res.heldout, "choice": res.choice, "correction": res.correction}
+                        choose=recs["choose"][n].items, report=recs["report"][n].items, refit_regs=refit_regs,
+                        fold_of=fold_of)
+        fits[n], corrections[n] = _fit_entry(res), (res.kind, res.weights, res.fold_weights)
         held = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e}"
         log(f"[latte] fitted {n}: alpha={layers[n].alpha:.4f} rho={float(layers[n].log_rho.exp().mean()):.4g} "
             f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held} (steps {res.steps}, {res.correction})")
-    return fits
+    return fits, corrections
+
+
+def _fit_entry(res: FitResult) -> dict:
+    """A layer's fit, as the report holds it."""
+    return {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
+            "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
+            "heldout": res.heldout, "choice": res.choice, "correction": res.correction}
+
+
+def exact_targets(recs: dict) -> dict[str, dict[int, Tensor]]:
+    """``{layer: {item key: exact attention output}}`` of every role's records."""
+    return {n: {it.key: it.target for role in ROLES for it in recs[role][n].items} for n in recs["fit"]}
+
+
+def compensate_layers(layers: dict[str, LatteParams], chosen: list[str], split: CalibrationSplit, cfg: LatteConfig,
+                      forward: Callable[[Any], Any], progress: Callable, reduce: AllReduce, shard: tuple[int, int],
+                      targets: dict, fold_of: dict[int, int], regs: tuple) -> tuple[dict, dict]:
+    """Error compensation: in model order, each chosen layer is recorded with the chosen layers
+    before it already linear (and compensated), and its output correction is refitted to map
+    those inputs to the *exact* model's attention output there (kernel scalars kept).
+
+    Returns ``({layer: report entry}, {layer: (kind, weights, weights per fold)})``.
+    """
+    fits, corrections = {}, {}
+    set_modes(layers, [])
+    for n in chosen:
+        recs = record_layers(layers, [n], split, cfg, forward, progress, reduce, shard, f"compensating {n}")
+        for role in ROLES:
+            for it in recs[role][n].items:
+                it.target = targets[n][it.key]
+        res = fit_correction(layers[n], recs["fit"][n].items, cfg.correction, _no_reduce, recs["choose"][n].items,
+                             recs["report"][n].items, regs, fold_of)
+        fits[n], corrections[n] = _fit_entry(res), (res.kind, res.weights, res.fold_weights)
+        layers[n].mode = "linear"
+    return fits, corrections
 
 
 class _Capture:
@@ -360,68 +392,139 @@ def score_sensitivity(layers: dict[str, LatteParams], batches: list, forward: Ca
 def output_distortion(layers: dict[str, LatteParams], batches: list, forward: Callable[[Any], Any],
                       reduce: AllReduce, relative: bool = False) -> Callable[[list[str]], float]:
     """``linear layers -> mean squared change of the model's raw outputs`` on ``batches`` (global);
-    with ``relative``, divided by the mean square of the exact outputs."""
+    with ``relative``, divided by the mean square of the exact outputs. The layers keep the
+    corrections they hold (fitted on the fit images)."""
+    return measured(layers, batches, RawDistortion(forward, relative), reduce)
+
+
+def measured(layers: dict[str, LatteParams], batches: list, measure: Any,
+             reduce: AllReduce) -> Callable[[list[str]], float]:
+    """``linear layers -> measure's loss`` on ``batches`` (``(position, batch)``, summed across ranks)."""
     set_modes(layers, [])
-    ref = [forward(b) for _, b in batches]
-    energy = reduce(torch.tensor([sum(_energy(r) for r in ref)], dtype=torch.float64))
+    refs = [measure.run(b) for _, b in batches]
 
-    def distortion(linear: list[str]) -> float:
+    def loss(linear: list[str]) -> float:
         set_modes(layers, linear)
-        acc = torch.zeros(2, dtype=torch.float64)
-        for (_, b), r in zip(batches, ref):
-            e, c = _output_sq_error(forward(b), r)
-            acc += torch.tensor([e, float(c)], dtype=torch.float64)
-        acc = reduce(acc)
-        if float(acc[1]) == 0:
-            return float("nan")
-        return float(acc[0] / energy[0]) if relative else float(acc[0] / acc[1])
+        acc = measure.zeros()
+        for (_, b), r in zip(batches, refs):
+            acc = acc + measure.sums(r, measure.run(b))
+        return measure.loss(reduce(acc))
 
-    return distortion
+    return loss
 
 
-def _energy(out: Any) -> float:
-    """Sum of squares of a model output's floating-point tensors."""
-    return sum(float((t.double() ** 2).sum()) for t in _tensors(out) if t.is_floating_point())
+def fold_assignment(split: CalibrationSplit, cfg: LatteConfig) -> dict[int, int]:
+    """``{global position: fold}`` of the fit and choice images (every rank computes the same)."""
+    n = max([sum(split.counts.values())] + [p + 1 for role in ROLES for p, _ in getattr(split, role)])
+    return assign_folds([g for g in range(n) if image_role(g, cfg.holdout) != "report"], CROSS_FIT_FOLDS)
 
 
-def _select(method: str, layers: dict[str, LatteParams], sens: dict[str, float], k: int,
-            distortion: Callable[[list[str]], float]) -> tuple[list, list]:
-    if method == "score":
-        return select_by_score(sens, k), []
-    return (greedy_select if method == "greedy" else backward_select)(list(layers), k, distortion)
+def cross_fitted(layers: dict[str, LatteParams], corrections: dict, batches: list, fold_of: dict[int, int],
+                 measure: Any, reduce: AllReduce) -> Callable[[list[str]], float]:
+    """``linear layers -> measure's loss`` on ``batches``, each image run with every linear
+    layer's output correction fitted *without* that image's fold (:func:`fit_layers`), so no
+    image judges a correction fitted on it. The full corrections are restored afterwards.
+
+    The kernel scalars (two per layer) are fitted on the fit images and not cross-fitted.
+    """
+    set_modes(layers, [])
+    refs = [measure.run(b) for _, b in batches]
+    folds = sorted({fold_of[p] for p, _ in batches})
+
+    def loss(linear: list[str]) -> float:
+        set_modes(layers, linear)
+        acc = measure.zeros()
+        try:
+            for f in folds:
+                for n in linear:
+                    kind, _, per_fold = corrections[n]
+                    set_correction(layers[n], kind, per_fold[f])
+                for (p, b), r in zip(batches, refs):
+                    if fold_of[p] == f:
+                        acc = acc + measure.sums(r, measure.run(b))
+        finally:
+            for n in linear:
+                kind, full, _ = corrections[n]
+                set_correction(layers[n], kind, full)
+        return measure.loss(reduce(acc))
+
+    return loss
 
 
-def _held_images(split: CalibrationSplit) -> list:
-    """The images that choose among selections: the choice images, else the greedy subset."""
-    return split.choose if split.counts.get("choose") else split.greedy
+def candidate_sets(methods: Sequence[str], layers: dict[str, LatteParams], sens: dict[str, float],
+                   ks: Sequence[int], distortion: Callable[[list[str]], float]) -> tuple[dict, dict]:
+    """Each method's linear set for each count in ``ks``: ``({(method, k): layers}, {method: trace})``.
+
+    Every method is nested (the set for ``k`` holds the set for ``k - 1``), so one run per
+    method gives every count: greedy adds up to ``max(ks)``, backward restores down to ``min(ks)``.
+    """
+    names, sets, traces = list(layers), {}, {}
+    for m in methods:
+        if m == "score":
+            order, traces[m] = select_by_score(sens, len(names)), []
+            sets.update({(m, k): order[:k] for k in ks})
+        elif m == "greedy":
+            order, traces[m] = greedy_select(names, max(ks), distortion)
+            sets.update({(m, k): order[:k] for k in ks})
+        else:
+            _, traces[m] = backward_select(names, min(ks), distortion)
+            restored = [t["restored"] for t in traces[m] if t["restored"] is not None]
+            sets.update({(m, k): [n for n in names if n not in restored[: len(names) - k]] for k in ks})
+    return {key: [n for n in names if n in chosen] for key, chosen in sets.items()}, traces
+
+
+#: Selections compared by ``selection='auto'``, the paper's score first (it wins ties).
+AUTO_SELECTIONS = ("score", "greedy", "backward")
+
+
+def _judge_images(split: CalibrationSplit, reduce: AllReduce) -> list:
+    """This rank's images that judge selections: fit and choice images the greedy and backward
+    searches did not see (all fit and choice images if, across ranks, that leaves none)."""
+    seen = {p for p, _ in split.greedy}
+    images = sorted(split.fit + split.choose, key=lambda pb: pb[0])
+    unseen = [pb for pb in images if pb[0] not in seen]
+    return unseen if float(reduce(torch.tensor([float(len(unseen))], dtype=torch.float64))[0]) > 0 else images
 
 
 def select_layers(layers: dict[str, LatteParams], sens: dict[str, float], k: int, cfg: LatteConfig,
-                  split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce) -> tuple[list, list, dict]:
-    """The ``k`` layers to linearize (model order), the selection's trace, and with
-    ``selection='auto'`` each method's output distortion on the choice images."""
-    fit_distortion = output_distortion(layers, split.greedy, forward, reduce)
-    if cfg.selection != "auto":
-        chosen, trace = _select(cfg.selection, layers, sens, k, fit_distortion)
-        return [n for n in layers if n in chosen], trace, {}
-    held = output_distortion(layers, _held_images(split), forward, reduce)
-    runs = {m: _select(m, layers, sens, k, fit_distortion) for m in ("score", "greedy", "backward")}
-    errs = {m: held(list(chosen)) for m, (chosen, _) in runs.items()}
-    order = ["score", "greedy", "backward"]  # the paper's score wins ties
-    best = min(order, key=lambda m: (errs[m], order.index(m)))
-    chosen, trace = runs[best]
-    return [n for n in layers if n in chosen], trace, {"chosen": best, "choice_distortion": errs}
+                  split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce,
+                  judge: Callable[[Any], Callable[[list[str]], float]], fidelity: Any) -> tuple[list, list, dict]:
+    """The layers to linearize (model order), the selection's trace and how they were chosen.
+
+    A fixed selection without a target takes its ``k`` layers. ``selection='auto'`` takes the
+    method whose ``k`` layers give the lowest cross-fitted raw-output MSE (:func:`cross_fitted`
+    via ``judge``). With ``target``, the count is the largest whose cross-fitted ``fidelity``
+    loss, for some method, stays within the target (the lowest such loss wins).
+    """
+    methods = AUTO_SELECTIONS if cfg.selection == "auto" else (cfg.selection,)
+    ks = list(range(1, len(layers) + 1)) if cfg.target is not None else [k]
+    if not ks or max(ks) == 0:
+        return [], [], {}
+    sets, traces = candidate_sets(methods, layers, sens, ks, output_distortion(layers, split.greedy, forward, reduce))
+    if cfg.target is not None:
+        method, k, info = _within_target(methods, sets, ks, float(cfg.target), judge(fidelity), fidelity.name)
+    elif len(methods) == 1:
+        method, info = methods[0], {}
+    else:
+        mse = judge(RawDistortion(forward, relative=False))
+        info = {"crossfit_distortion": {m: mse(sets[(m, k)]) for m in methods}}
+        method = min(methods, key=lambda m: (info["crossfit_distortion"][m], methods.index(m)))
+    chosen = sets.get((method, k), [])
+    return chosen, traces.get(method, []), {"chosen": method, **info}
 
 
-def count_for_target(layers: dict[str, LatteParams], sens: dict[str, float], cfg: LatteConfig,
-                     split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce) -> tuple[int, dict]:
-    """With ``target``: the largest prefix of the greedy order whose relative output distortion
-    on the choice images stays within it; returns the count and the distortion of each prefix."""
-    order, _ = greedy_select(list(layers), len(layers), output_distortion(layers, split.greedy, forward, reduce))
-    rel = output_distortion(layers, _held_images(split), forward, reduce, relative=True)
-    prefix = {j: rel(order[:j]) for j in range(1, len(order) + 1)}
-    k = max([0] + [j for j, e in prefix.items() if e <= float(cfg.target)])
-    return k, {"target": float(cfg.target), "order": order, "relative_distortion": prefix, "k": k}
+def _within_target(methods: Sequence[str], sets: dict, ks: Sequence[int], target: float,
+                   loss: Callable[[list[str]], float], measure: str) -> tuple[str, int, dict]:
+    """From the most layers down: the first count where a method's set is within ``target``."""
+    cache: dict[frozenset, float] = {}
+    losses: dict[int, dict[str, float]] = {}
+    for k in sorted(ks, reverse=True):
+        losses[k] = {m: cache.setdefault(frozenset(sets[(m, k)]), loss(sets[(m, k)])) for m in methods}
+        ok = [m for m in methods if losses[k][m] <= target]
+        if ok:
+            best = min(ok, key=lambda m: (losses[k][m], methods.index(m)))
+            return best, k, {"target": {"target": target, "measure": measure, "k": k, "losses": losses}}
+    return methods[0], 0, {"target": {"target": target, "measure": measure, "k": 0, "losses": losses}}
 
 
 def build_report(layers: dict[str, LatteParams], cfg: LatteConfig, k: int, chosen: list[str], sens: dict,
@@ -470,6 +573,7 @@ def calibrate_model(
     progress: Callable[[Iterable, int, str], Iterable] = _passthrough,
     shard: tuple[int, int] = (0, 1),
     positions: Optional[Sequence[int]] = None,
+    fidelity: Optional[Any] = None,
 ) -> dict:
     """Splits, records, fits, scores, selects and reports; leaves ``model`` hybrid.
 
@@ -486,40 +590,105 @@ def calibrate_model(
             ``i`` is global batch ``i * world_size + rank``.
         positions: the global position of each local batch, for loaders that shard otherwise
             (e.g. detectron2's ``InferenceSampler`` gives each rank a contiguous block).
+        fidelity: the measure ``target`` budgets (:mod:`~latte_plugin.core.fidelity`); default:
+            the relative raw-output distortion. Detector adapters pass
+            :class:`~latte_plugin.core.fidelity.DetectionDisagreement`.
 
     Returns:
         ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config, ...}``.
     """
     reduce = all_reduce or (lambda t: t)
     layers = _prepare(model, cfg, batches, reduce)
+    fidelity = fidelity or RawDistortion(forward, relative=True)
     was_training = model.training
     model.eval()
     rank, world = shard
     positions = list(positions) if positions is not None else [i * world + rank for i in range(len(batches))]
     split = split_calibration(list(batches), positions[: len(batches)], cfg, reduce)
-    regs = _refit_regs(cfg, split, log)
-    fits: dict[str, dict] = {}
-    for group in ([[n] for n in layers] if cfg.sequential else [list(layers)]):
-        recs = record_layers(layers, group, split, cfg, forward, progress, reduce, shard,
-                             f"recording {group[0]}" if cfg.sequential else "recording")
-        fits.update(fit_layers(layers, group, recs, cfg, regs, log))
-        if cfg.sequential:
-            layers[group[0]].mode = "linear"
+    fold_of = fold_assignment(split, cfg)
+    fits, corrections, targets = calibrate_layers(layers, split, cfg, forward, reduce, fold_of, log, progress, shard)
     sens, shapes = score_sensitivity(layers, split.fit, forward, cfg, reduce, progress)
-    budget = count_for_target(layers, sens, cfg, split, forward, reduce) if cfg.target is not None else None
-    k = budget[0] if budget else num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
-    chosen, trace, auto = select_layers(layers, sens, k, cfg, split, forward, reduce)
-    held = output_distortion(layers, split.report, forward, reduce)(chosen) if split.counts["report"] else None
-    auto = dict(auto, **({"target": budget[1]} if budget else {}))
+    k = num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
+    judged = _judge_images(split, reduce)
+
+    def judge(measure: Any, corr: Optional[dict] = None) -> Callable[[list[str]], float]:
+        return cross_fitted(layers, corr or corrections, judged, fold_of, measure, reduce)
+
+    chosen, trace, how = select_layers(layers, sens, k, cfg, split, forward, reduce, judge, fidelity)
+    k = len(chosen) if cfg.target is not None else k
+    if chosen and targets is not None and cfg.compensate != "never":
+        how["compensation"] = choose_compensation(layers, chosen, split, cfg, forward, progress, reduce, shard,
+                                                  targets, fold_of, corrections, judge, fits, log)
+    held = heldout_figures(layers, chosen, split, forward, fidelity, reduce)
     set_modes(layers, chosen, cfg.mode)
     for layer in layers.values():
         layer.threshold.fill_(int(cfg.threshold))
     model.train(was_training)
     for n in layers:
         log(f"[latte] {n}: sensitivity={sens[n]:.4e} -> {'LINEAR' if n in chosen else 'exact'}")
-    report = build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held)
-    report["selection"].update(auto)
+    report = build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held.get("raw_mse"))
+    report["selection"].update(how, judge_images=len(judged), heldout=held)
     return report
+
+
+def calibrate_layers(layers: dict[str, LatteParams], split: CalibrationSplit, cfg: LatteConfig,
+                     forward: Callable[[Any], Any], reduce: AllReduce, fold_of: dict[int, int],
+                     log: Callable[[str], None], progress: Callable, shard: tuple[int, int]) -> tuple[dict, dict]:
+    """Records and fits every layer (one group, or layer by layer with ``sequential``).
+
+    Returns ``(fits, corrections, exact targets)`` (:func:`fit_layers`, :func:`exact_targets`;
+    no targets with ``sequential``, whose records are not the exact model's).
+    """
+    regs = _refit_regs(cfg, split, log)
+    fits: dict[str, dict] = {}
+    corrections: dict[str, tuple] = {}
+    targets = None
+    for group in ([[n] for n in layers] if cfg.sequential else [list(layers)]):
+        recs = record_layers(layers, group, split, cfg, forward, progress, reduce, shard,
+                             f"recording {group[0]}" if cfg.sequential else "recording")
+        group_fits, group_corrections = fit_layers(layers, group, recs, cfg, regs, log, fold_of)
+        fits.update(group_fits)
+        corrections.update(group_corrections)
+        if cfg.sequential:
+            layers[group[0]].mode = "linear"
+        else:
+            targets = exact_targets(recs)
+    return fits, corrections, targets
+
+
+def choose_compensation(layers: dict[str, LatteParams], chosen: list[str], split: CalibrationSplit,
+                        cfg: LatteConfig, forward: Callable[[Any], Any], progress: Callable, reduce: AllReduce,
+                        shard: tuple[int, int], targets: dict, fold_of: dict[int, int], corrections: dict,
+                        judge: Callable, fits: dict, log: Callable[[str], None]) -> dict:
+    """Compensates the chosen layers (:func:`compensate_layers`) and, with ``compensate='auto'``,
+    keeps it only if the hybrid's cross-fitted raw-output MSE on the judging images is lower
+    (ties keep the plain fit). Updates ``corrections`` and the layers in place; the compensated
+    fits go to ``fits[layer]["compensated"]``."""
+    mse = RawDistortion(forward, relative=False)
+    before = judge(mse)(chosen)
+    comp_fits, comp = compensate_layers(layers, chosen, split, cfg, forward, progress, reduce, shard, targets,
+                                        fold_of, _refit_regs(cfg, split, log))
+    after = judge(mse, {**corrections, **comp})(chosen)
+    keep = cfg.compensate == "always" or after < before
+    for n in chosen:
+        fits[n]["compensated"] = comp_fits[n]
+        if keep:
+            corrections[n] = comp[n]
+        kind, full, _ = corrections[n]
+        set_correction(layers[n], kind, full)
+    log(f"[latte] error compensation: cross-fitted output MSE {before:.4e} -> {after:.4e}: "
+        f"{'kept' if keep else 'not kept'}")
+    return {"crossfit_distortion": {"plain": before, "compensated": after}, "kept": keep}
+
+
+def heldout_figures(layers: dict[str, LatteParams], chosen: list[str], split: CalibrationSplit,
+                    forward: Callable[[Any], Any], fidelity: Any, reduce: AllReduce) -> dict:
+    """The chosen layers' raw-output MSE and ``fidelity`` loss on the report images (nothing was
+    fitted on them or chosen by them); empty without report images."""
+    if not split.counts.get("report"):
+        return {}
+    return {"raw_mse": output_distortion(layers, split.report, forward, reduce)(chosen),
+            "fidelity": measured(layers, split.report, fidelity, reduce)(chosen), "measure": fidelity.name}
 
 
 def needs_calibration(model: nn.Module, calibrate: str) -> bool:

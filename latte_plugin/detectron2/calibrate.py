@@ -26,7 +26,8 @@ logger = logging.getLogger("detectron2")
 
 class Detectron2Adapter(Adapter):
     """detectron2's ranks (``comm``) and logger; batches are lists of dataset dicts, run
-    through the meta-architecture's ``tensor_forward`` (raw head outputs)."""
+    through the meta-architecture's ``tensor_forward`` (raw head outputs) and ``predict``
+    (its own post-processing, for ``target=``)."""
 
     data_hint = "check the dataset registered for the train split"
 
@@ -40,6 +41,13 @@ class Detectron2Adapter(Adapter):
 
     def forward(self, model: nn.Module):
         return model.tensor_forward
+
+    def detect(self, model: nn.Module):
+        def detect(batch: list[dict]) -> list:
+            return [(r["instances"].pred_boxes.tensor, r["instances"].scores, r["instances"].pred_classes)
+                    for r in model.predict(batch)]
+
+        return detect if hasattr(model, "predict") else None
 
     def batch_len(self, batch: Any) -> int:
         return len(batch)

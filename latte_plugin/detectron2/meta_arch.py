@@ -187,6 +187,10 @@ class LatteRTDETR(LatteMetaArch):
         if self.training:
             return self._losses(batched_inputs)
         self._maybe_calibrate()
+        return self.predict(batched_inputs)
+
+    def predict(self, batched_inputs: list[dict]) -> list[dict]:
+        """Inference as it is (no calibration first): ``[{"instances": Instances}]`` in original-image pixels."""
         pixels, sizes = self.preprocess(batched_inputs)
         out = self.hf(pixel_values=pixels)
         hw = [tuple(pixels.shape[-2:])] * len(batched_inputs)
@@ -268,6 +272,10 @@ class MMDetDetector(LatteMetaArch):
             losses = self._det(**data, mode="loss")
             return {k: v for k, v in losses.items() if "loss" in k}
         self._maybe_calibrate()
+        return self.predict(batched_inputs)
+
+    def predict(self, batched_inputs: list[dict]) -> list[dict]:
+        """Inference as it is (no calibration first): ``[{"instances": Instances}]`` in original-image pixels."""
         data = self.to_mmdet(batched_inputs, False)
         preds = self._det(**data, mode="predict")
         return [{"instances": self.to_instances(p.pred_instances.bboxes, p.pred_instances.scores,

@@ -20,7 +20,7 @@ from ..adapter import Adapter, calibrate, swap_attention
 from ..core.flow import LatteConfig
 
 __all__ = ["MMDetAdapter", "unwrap", "linearize_model", "build_calibration_loader", "detector_forward",
-           "calibrate_detector"]
+           "detector_predict", "calibrate_detector"]
 
 
 class MMDetAdapter(Adapter):
@@ -41,6 +41,9 @@ class MMDetAdapter(Adapter):
 
     def forward(self, model: nn.Module):
         return detector_forward(model)
+
+    def detect(self, model: nn.Module):
+        return detector_predict(model)
 
     def batch_len(self, batch: Any) -> int:
         return len(batch["inputs"]) if isinstance(batch, dict) and "inputs" in batch else 1
@@ -88,19 +91,36 @@ def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str
     return Runner.build_dataloader(loader_cfg, seed=seed)
 
 
+def _check_batch(batch: Any) -> None:
+    if not isinstance(batch, dict) or "inputs" not in batch:
+        raise KeyError(
+            f"calibration batches must be dicts with 'inputs' and 'data_samples' (mmdet's PackDetInputs); got "
+            f"{type(batch).__name__} with keys {sorted(batch) if isinstance(batch, dict) else '-'}"
+        )
+
+
 def detector_forward(model: nn.Module):
     """A ``forward(batch)`` running mmdet's data preprocessor and ``mode='tensor'`` (raw head outputs)."""
 
     def forward(batch: dict):
-        if not isinstance(batch, dict) or "inputs" not in batch:
-            raise KeyError(
-                f"calibration batches must be dicts with 'inputs' and 'data_samples' (mmdet's PackDetInputs); got "
-                f"{type(batch).__name__} with keys {sorted(batch) if isinstance(batch, dict) else '-'}"
-            )
+        _check_batch(batch)
         data = model.data_preprocessor(batch, False)
         return model(**data, mode="tensor")
 
     return forward
+
+
+def detector_predict(model: nn.Module):
+    """A ``detect(batch)`` running mmdet's own post-processing (``mode='predict'``): one
+    ``(boxes, scores, labels)`` per image, in original-image pixels."""
+
+    def detect(batch: dict) -> list:
+        _check_batch(batch)
+        data = model.data_preprocessor(batch, False)
+        return [(p.pred_instances.bboxes, p.pred_instances.scores, p.pred_instances.labels)
+                for p in model(**data, mode="predict")]
+
+    return detect
 
 
 def calibrate_detector(model: nn.Module, data: Iterable, cfg: LatteConfig) -> dict:
