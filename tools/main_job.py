@@ -158,7 +158,8 @@ def run(a: argparse.Namespace) -> dict:
         report.update({k: reps[default][k] for k in ("variant", "candidates", "sensitivity", "linearized", "params",
                                                        "sigma_mean", "fit", "selection", "tokens")})
     metrics = {name: {k: r.get(k) for k in ("bbox_mAP", "bbox_mAP_50", "retained", "linear", "attention_gflops",
-                                            "encoder_latency_ratio", "heldout_distortion", "heldout_mse")}
+                                            "encoder_latency_ratio", "heldout_distortion", "heldout_fidelity",
+                                            "heldout_mse", "calibration_seconds")}
                for name, r in res.items()}
     if "exact" in res and default in res:
         metrics["linearized"] = dict(metrics[default])

@@ -57,6 +57,8 @@ ROWS = [
     Row("ours:backward", {"selection": "backward"}),
     Row("ours:sequential", {"sequential": True}),
     Row("ours:compensate=never", {"compensate": "never"}),
+    # the defaults before the adaptive choices (issue #13): fixed greedy + ridge refit
+    Row("old default", {"selection": "greedy", "correction": "refit", "compensate": "never"}),
     Row("ours:compensate=always", {"compensate": "always"}),
     Row("ours:auto@83%", {"ratio": 0.83, "num_linear": None}),
     Row("ours:score@83%", {"selection": "score", "ratio": 0.83, "num_linear": None}),
@@ -152,8 +154,11 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
             continue
         done[key] = row.name
         set_label(row.name)
+        t_cal = 0.0
         if row.kind == "latte":
+            t_cal = time.time()
             rep = calibrate_detector(model, batches, cfg)
+            t_cal = time.time() - t_cal
             reports[row.name] = rep
             if on_calibrated is not None:
                 on_calibrated(row.name, rep)
@@ -178,6 +183,7 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
             "linear": f"{len(linear)}/{len(layers)}",
             "linearized": list(linear),
             "encoder_latency_ratio": t_exact / t_row,
+            "calibration_seconds": t_cal,
             "seconds": time.time() - t0,
         }
         say(f"[latte] {row.name:18s} {results[row.name]['linear']:>5s} linear  bbox_mAP {metrics['bbox_mAP']:.4f}  "

@@ -49,9 +49,10 @@ def main_job_table(model: str, prefix: str = "main_job") -> str:
         rows.append([name, m["linear"], f"{m['bbox_mAP']:.3f}", f"{m['bbox_mAP_50']:.3f}",
                      _num(100 * m["retained"] if m.get("retained") is not None else None, ".1f"),
                      f"{m['attention_gflops']:.4f}", _num(m.get("heldout_distortion"), ".3e"),
-                     _num(m.get("heldout_fidelity"), ".3f"), _num(m.get("heldout_mse"), ".3e")])
+                     _num(m.get("heldout_fidelity"), ".3f"), _num(m.get("heldout_mse"), ".3e"),
+                     _num(m.get("calibration_seconds") or None, ".0f")])
     head = ["row", "linear", "bbox mAP", "mAP@.5", "% kept", "attn GFLOPs", "held-out distortion",
-            "held-out detection disagreement", "held-out layer MSE"]
+            "held-out detection disagreement", "held-out layer MSE", "calibration s"]
     return _table(head, rows) + f"\n\n`{res['command']}`: {res['seconds'] / 60:.1f} min on 2 CPU cores."
 
 
