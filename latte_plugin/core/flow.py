@@ -620,15 +620,22 @@ def calibrate_model(
         how["compensation"] = choose_compensation(layers, chosen, split, cfg, forward, progress, reduce, shard,
                                                   targets, fold_of, corrections, judge, fits, log)
     held = heldout_figures(layers, chosen, split, forward, fidelity, reduce)
+    apply_selection(layers, chosen, cfg, sens, log)
+    model.train(was_training)
+    report = build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held.get("raw_mse"))
+    n_judged = int(reduce(torch.tensor([float(len(judged))], dtype=torch.float64))[0])
+    report["selection"].update(how, judge_images=n_judged, heldout=held)
+    return report
+
+
+def apply_selection(layers: dict[str, LatteParams], chosen: list[str], cfg: LatteConfig, sens: dict[str, float],
+                    log: Callable[[str], None]) -> None:
+    """Puts the chosen layers in ``cfg.mode`` (the rest exact) and logs each layer's state."""
     set_modes(layers, chosen, cfg.mode)
     for layer in layers.values():
         layer.threshold.fill_(int(cfg.threshold))
-    model.train(was_training)
     for n in layers:
         log(f"[latte] {n}: sensitivity={sens[n]:.4e} -> {'LINEAR' if n in chosen else 'exact'}")
-    report = build_report(layers, cfg, k, chosen, sens, fits, trace, split, shapes, held.get("raw_mse"))
-    report["selection"].update(how, judge_images=len(judged), heldout=held)
-    return report
 
 
 def calibrate_layers(layers: dict[str, LatteParams], split: CalibrationSplit, cfg: LatteConfig,
