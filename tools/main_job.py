@@ -28,7 +28,8 @@ DEFAULT_CHECKPOINT = "checkpoints/cond_detr_r18_synthetic.pth"
 
 
 def format_table(rows: dict) -> str:
-    head = (f"{'row':18s} {'linear':>6s} {'bbox_mAP':>8s} {'mAP@.5':>7s} {'% kept':>7s} "
+    w = max([18] + [len(n) for n in rows])
+    head = (f"{'row':{w}s} {'linear':>6s} {'bbox_mAP':>8s} {'mAP@.5':>7s} {'% kept':>7s} "
             f"{'attn GFLOPs':>11s} {'speed-up':>9s} {'held-out dist.':>14s} {'held-out mse':>12s}")
     out = [head, "-" * len(head)]
 
@@ -37,7 +38,7 @@ def format_table(rows: dict) -> str:
 
     for name, r in rows.items():
         kept = 100 * r["retained"] if not math.isnan(r["retained"]) else float("nan")
-        out.append(f"{name:18s} {r['linear']:>6s} {r['bbox_mAP']:8.4f} {r['bbox_mAP_50']:7.4f} {kept:7.1f} "
+        out.append(f"{name:{w}s} {r['linear']:>6s} {r['bbox_mAP']:8.4f} {r['bbox_mAP_50']:7.4f} {kept:7.1f} "
                    f"{r['attention_gflops']:11.4f} {r['encoder_latency_ratio']:8.2f}x "
                    f"{num(r.get('heldout_distortion'), '14.4e')} {num(r.get('heldout_mse'), '12.4e')}")
     return "\n".join(out)

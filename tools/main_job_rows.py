@@ -186,7 +186,7 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
             "calibration_seconds": t_cal,
             "seconds": time.time() - t0,
         }
-        say(f"[latte] {row.name:18s} {results[row.name]['linear']:>5s} linear  bbox_mAP {metrics['bbox_mAP']:.4f}  "
+        say(f"[latte] {row.name:25s} {results[row.name]['linear']:>5s} linear  bbox_mAP {metrics['bbox_mAP']:.4f}  "
             f"({time.time() - t0:.0f} s)")
     # GFLOPs per row from the token counts the calibration measured (self-attention: M = N).
     shapes = next(iter(reports.values()))["tokens"] if reports else {}

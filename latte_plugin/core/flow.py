@@ -420,15 +420,17 @@ def fold_assignment(split: CalibrationSplit, cfg: LatteConfig) -> dict[int, int]
 
 
 def cross_fitted(layers: dict[str, LatteParams], corrections: dict, batches: list, fold_of: dict[int, int],
-                 measure: Any, reduce: AllReduce) -> Callable[[list[str]], float]:
+                 measure: Any, reduce: AllReduce, refs: Optional[list] = None) -> Callable[[list[str]], float]:
     """``linear layers -> measure's loss`` on ``batches``, each image run with every linear
     layer's output correction fitted *without* that image's fold (:func:`fit_layers`), so no
     image judges a correction fitted on it. The full corrections are restored afterwards.
+    ``refs``: the exact model's ``measure.run`` of each batch, if already computed.
 
     The kernel scalars (two per layer) are fitted on the fit images and not cross-fitted.
     """
-    set_modes(layers, [])
-    refs = [measure.run(b) for _, b in batches]
+    if refs is None:
+        set_modes(layers, [])
+        refs = [measure.run(b) for _, b in batches]
     folds = sorted({fold_of[p] for p, _ in batches})
 
     def loss(linear: list[str]) -> float:
@@ -449,6 +451,41 @@ def cross_fitted(layers: dict[str, LatteParams], corrections: dict, batches: lis
         return measure.loss(reduce(acc))
 
     return loss
+
+
+class CrossFitJudge:
+    """:func:`cross_fitted` with the exact model's outputs computed once per measure and each
+    set's loss under the fitted corrections remembered (the selection, the compensation and
+    the target ask for some sets more than once)."""
+
+    def __init__(self, layers: dict[str, LatteParams], corrections: dict, batches: list, fold_of: dict[int, int],
+                 reduce: AllReduce) -> None:
+        self.layers, self.corrections, self.batches, self.fold_of, self.reduce = (
+            layers, corrections, batches, fold_of, reduce)
+        self._refs: dict[str, list] = {}
+        self._memo: dict[tuple, float] = {}
+
+    def __call__(self, measure: Any, corrections: Optional[dict] = None) -> Callable[[list[str]], float]:
+        """``linear layers -> cross-fitted loss``; ``corrections`` replaces the fitted ones (not remembered)."""
+        if measure.name not in self._refs:
+            set_modes(self.layers, [])
+            self._refs[measure.name] = [measure.run(b) for _, b in self.batches]
+        loss = cross_fitted(self.layers, corrections or self.corrections, self.batches, self.fold_of, measure,
+                            self.reduce, self._refs[measure.name])
+        if corrections is not None:
+            return loss
+
+        def remembered(linear: list[str]) -> float:
+            key = (measure.name, frozenset(linear))
+            if key not in self._memo:
+                self._memo[key] = loss(linear)
+            return self._memo[key]
+
+        return remembered
+
+    def forget(self) -> None:
+        """Drops the remembered losses (after the fitted corrections changed)."""
+        self._memo.clear()
 
 
 def candidate_sets(methods: Sequence[str], layers: dict[str, LatteParams], sens: dict[str, float],
@@ -488,7 +525,7 @@ def _judge_images(split: CalibrationSplit, reduce: AllReduce) -> list:
 
 def select_layers(layers: dict[str, LatteParams], sens: dict[str, float], k: int, cfg: LatteConfig,
                   split: CalibrationSplit, forward: Callable[[Any], Any], reduce: AllReduce,
-                  judge: Callable[[Any], Callable[[list[str]], float]], fidelity: Any) -> tuple[list, list, dict]:
+                  judge: "CrossFitJudge", fidelity: Any) -> tuple[list, list, dict]:
     """The layers to linearize (model order), the selection's trace and how they were chosen.
 
     A fixed selection without a target takes its ``k`` layers. ``selection='auto'`` takes the
@@ -506,7 +543,7 @@ def select_layers(layers: dict[str, LatteParams], sens: dict[str, float], k: int
     elif len(methods) == 1:
         method, info = methods[0], {}
     else:
-        mse = judge(RawDistortion(forward, relative=False))
+        mse = judge(RawDistortion(forward, relative=False))  # the same measure as the compensation's
         info = {"crossfit_distortion": {m: mse(sets[(m, k)]) for m in methods}}
         method = min(methods, key=lambda m: (info["crossfit_distortion"][m], methods.index(m)))
     chosen = sets.get((method, k), [])
@@ -610,10 +647,7 @@ def calibrate_model(
     sens, shapes = score_sensitivity(layers, split.fit, forward, cfg, reduce, progress)
     k = num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
     judged = _judge_images(split, reduce)
-
-    def judge(measure: Any, corr: Optional[dict] = None) -> Callable[[list[str]], float]:
-        return cross_fitted(layers, corr or corrections, judged, fold_of, measure, reduce)
-
+    judge = CrossFitJudge(layers, corrections, judged, fold_of, reduce)
     chosen, trace, how = select_layers(layers, sens, k, cfg, split, forward, reduce, judge, fidelity)
     k = len(chosen) if cfg.target is not None else k
     if chosen and targets is not None and cfg.compensate != "never":
@@ -666,7 +700,7 @@ def calibrate_layers(layers: dict[str, LatteParams], split: CalibrationSplit, cf
 def choose_compensation(layers: dict[str, LatteParams], chosen: list[str], split: CalibrationSplit,
                         cfg: LatteConfig, forward: Callable[[Any], Any], progress: Callable, reduce: AllReduce,
                         shard: tuple[int, int], targets: dict, fold_of: dict[int, int], corrections: dict,
-                        judge: Callable, fits: dict, log: Callable[[str], None]) -> dict:
+                        judge: CrossFitJudge, fits: dict, log: Callable[[str], None]) -> dict:
     """Compensates the chosen layers (:func:`compensate_layers`) and, with ``compensate='auto'``,
     keeps it only if the hybrid's cross-fitted raw-output MSE on the judging images is lower
     (ties keep the plain fit). Updates ``corrections`` and the layers in place; the compensated
@@ -683,6 +717,7 @@ def choose_compensation(layers: dict[str, LatteParams], chosen: list[str], split
             corrections[n] = comp[n]
         kind, full, _ = corrections[n]
         set_correction(layers[n], kind, full)
+    judge.forget()
     log(f"[latte] error compensation: cross-fitted output MSE {before:.4e} -> {after:.4e}: "
         f"{'kept' if keep else 'not kept'}")
     return {"crossfit_distortion": {"plain": before, "compensated": after}, "kept": keep}
