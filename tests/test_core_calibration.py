@@ -424,7 +424,7 @@ def test_cross_fitted_runs_each_image_with_its_folds_correction():
 
     batches = [(p, p) for p in range(7)]
     fold_of = {p: p % 3 for p in range(7)}
-    loss = cross_fitted(layers, corrections, batches, fold_of, Probe(), lambda t: t)
+    loss = cross_fitted(layers, corrections, batches, fold_of, Probe(), lambda t: t, refs=[None] * len(batches))
     assert loss(list(layers)) == 7.0
     assert seen == {p: float(p % 3 + 1) for p in range(7)}
     assert float(layers[first].sigma[0]) == 9.0  # restored

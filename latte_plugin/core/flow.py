@@ -420,17 +420,14 @@ def fold_assignment(split: CalibrationSplit, cfg: LatteConfig) -> dict[int, int]
 
 
 def cross_fitted(layers: dict[str, LatteParams], corrections: dict, batches: list, fold_of: dict[int, int],
-                 measure: Any, reduce: AllReduce, refs: Optional[list] = None) -> Callable[[list[str]], float]:
+                 measure: Any, reduce: AllReduce, refs: list) -> Callable[[list[str]], float]:
     """``linear layers -> measure's loss`` on ``batches``, each image run with every linear
     layer's output correction fitted *without* that image's fold (:func:`fit_layers`), so no
     image judges a correction fitted on it. The full corrections are restored afterwards.
-    ``refs``: the exact model's ``measure.run`` of each batch, if already computed.
+    ``refs``: the exact model's ``measure.run`` of each batch (:class:`CrossFitJudge` keeps them).
 
     The kernel scalars (two per layer) are fitted on the fit images and not cross-fitted.
     """
-    if refs is None:
-        set_modes(layers, [])
-        refs = [measure.run(b) for _, b in batches]
     folds = sorted({fold_of[p] for p, _ in batches})
 
     def loss(linear: list[str]) -> float:
@@ -552,11 +549,11 @@ def select_layers(layers: dict[str, LatteParams], sens: dict[str, float], k: int
 
 def _within_target(methods: Sequence[str], sets: dict, ks: Sequence[int], target: float,
                    loss: Callable[[list[str]], float], measure: str) -> tuple[str, int, dict]:
-    """From the most layers down: the first count where a method's set is within ``target``."""
-    cache: dict[frozenset, float] = {}
+    """From the most layers down: the first count where a method's set is within ``target``
+    (``loss`` remembers sets that several methods share)."""
     losses: dict[int, dict[str, float]] = {}
     for k in sorted(ks, reverse=True):
-        losses[k] = {m: cache.setdefault(frozenset(sets[(m, k)]), loss(sets[(m, k)])) for m in methods}
+        losses[k] = {m: loss(sets[(m, k)]) for m in methods}
         ok = [m for m in methods if losses[k][m] <= target]
         if ok:
             best = min(ok, key=lambda m: (losses[k][m], methods.index(m)))
