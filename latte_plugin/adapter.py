@@ -10,17 +10,17 @@ its own :class:`Adapter`. An adapter answers six questions and nothing else:
 * ``forward``: how one calibration batch runs (raw outputs, no post-processing);
 * ``detect``: for detectors, how one batch runs through the framework's own post-processing
   (boxes, scores, labels per image), which ``target=`` budgets (``None`` for other models);
-* ``batch_len`` and ``positions``: how many images a batch holds and, for samplers that do
-  not deal round-robin, where each local batch sits globally;
+* ``split`` and ``sample_positions``: a batch as single images and, for samplers that do
+  not deal round-robin, where each local image sits in the global order;
 * ``log`` and ``progress``: where lines and progress bars go.
 
-So the options (``calibrate=auto|always|never``), the checks (empty set, a set smaller than
-one batch) and the steps are the same in every framework.
+So the options (``calibrate=auto|always|never``), the checks (an empty set) and the steps are
+the same in every framework, and the calibration images are the same whatever the number of
+processes (:func:`take_batches`).
 """
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -71,12 +71,14 @@ class Adapter:
         the relative raw-output distortion)."""
         return None
 
-    def batch_len(self, batch: Any) -> int:
-        """Images in one batch (the generic entry counts a batch as one item)."""
-        return 1
+    def split(self, batch: Any) -> list:
+        """One batch as single-image batches (the generic entry cannot split: a batch is one item)."""
+        return [batch]
 
-    def positions(self, data: Any, batches: Sequence[Any]) -> Optional[list[int]]:
-        """Global position of each local batch; ``None``: dealt round-robin across ranks."""
+    def sample_positions(self, data: Any) -> Optional[Sequence[int]]:
+        """The global sample position of each of this rank's samples, in the order ``data``
+        yields them; ``None``: dealt round-robin across ranks (mmengine's ``DefaultSampler``,
+        detectron2's ``TrainingSampler``, a generic per-rank list)."""
         return None
 
     def log(self, line: str) -> None:
@@ -107,29 +109,48 @@ class TorchAdapter(Adapter):
         return console_progress(it, total, desc) if self._progress else iter(it)
 
 
-def take_batches(data: Iterable, num_images: int, world: int, batch_len: Callable[[Any], int],
-                 hint: str = Adapter.data_hint) -> list:
-    """This rank's share of ``num_images`` images as batches: an ``islice`` (train loaders may never end).
+_END = object()
+
+
+def take_batches(data: Iterable, num_images: int, shard: tuple[int, int], adapter: "Adapter") -> tuple[list, list[int]]:
+    """This rank's calibration images, one per batch, and their global sample positions.
+
+    The calibration set is the images at global sample positions ``0 .. num_images - 1`` of
+    the sampler's order (:meth:`Adapter.sample_positions`), so it is the same set whatever the
+    number of processes and the loader's batch size. Batches are split into single images
+    (:meth:`Adapter.split`) so that no image's padding depends on which images share its batch.
+    Only as many batches are drawn as this rank needs (train loaders may never end).
+
+    Returns:
+        ``(batches, positions)``: possibly empty on one rank of several (e.g. detectron2's
+        ``InferenceSampler`` gives each rank a contiguous block of the dataset).
 
     Raises:
-        ValueError: ``num_images`` smaller than one batch (a partial batch would calibrate on
-            more images than asked), or no batch at all.
+        ValueError: no image at all in one process.
     """
-    per_rank = math.ceil(num_images / world)
-    batches, seen = [], 0
-    for batch in itertools.islice(iter(data), per_rank):
-        size = batch_len(batch)
-        if not batches and num_images < size:
-            raise ValueError(f"num_images={num_images} is smaller than the calibration batch size {size}; "
-                             f"ask for at least {size} images or use smaller calibration batches")
-        batches.append(batch)
-        seen += size
-        if seen >= per_rank:
+    rank, world = shard
+    given = adapter.sample_positions(data)
+    if given is None:  # dealt round-robin: local sample i is global sample i * world + rank
+        expected = len(range(rank, num_images, world))
+        positions: Iterator[int] = itertools.count(rank, world)
+    else:
+        given = [int(p) for p in given]
+        expected = sum(1 for p in given if p < num_images)
+        positions = iter(given)
+    batches, kept = [], []
+    loader = iter(data) if expected else iter(())
+    while len(kept) < expected:
+        batch = next(loader, _END)
+        if batch is _END:
             break
-    if not batches:
+        for sample, pos in zip(adapter.split(batch), positions):
+            if pos < num_images and len(kept) < expected:
+                batches.append(sample)
+                kept.append(pos)
+    if not batches and world == 1:
         raise ValueError(f"empty calibration set: the calibration data yielded no images (asked for "
-                         f"{num_images}); {hint}")
-    return batches
+                         f"{num_images}); {adapter.data_hint}")
+    return batches, kept
 
 
 @torch.no_grad()
@@ -152,11 +173,14 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
     bare = adapter.unwrap(model)
     swap_attention(bare, cfg.candidates, cfg.variant)
     rank, world = adapter.world()
-    batches = take_batches(data, cfg.num_images, world, adapter.batch_len, adapter.data_hint)
+    batches, positions = take_batches(data, cfg.num_images, (rank, world), adapter)
+    total = adapter.all_reduce_sum(torch.tensor([float(len(batches))], dtype=torch.float64))
+    if float(total[0]) == 0:
+        raise ValueError(f"empty calibration set: the calibration data yielded no images on any of the {world} "
+                         f"processes (asked for {cfg.num_images}); {adapter.data_hint}")
     detect = adapter.detect(bare)
     report = calibrate_model(bare, batches, adapter.forward(bare), cfg, all_reduce=adapter.all_reduce_sum,
-                             log=adapter.log, progress=adapter.progress, shard=(rank, world),
-                             positions=adapter.positions(data, batches),
+                             log=adapter.log, progress=adapter.progress, shard=(rank, world), positions=positions,
                              fidelity=DetectionDisagreement(detect) if detect is not None else None)
     adapter.log("[latte] per-layer calibration:\n" + format_layer_table(report))
     return report
@@ -212,7 +236,8 @@ def _install_hf(mod: nn.Module, name: str, variant: str) -> None:
             "module; narrow the pattern to the attention modules themselves"
         )
     layer = install_latte(mod, variant)
-    layer.variant = variant
+    if not bool(layer.calibrated):  # a calibrated layer keeps its variant (its scalars belong to it)
+        layer.variant = variant
     layer.layer_name = name
 
 

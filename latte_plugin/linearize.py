@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .adapter import TorchAdapter, calibrate, default_forward, swap_attention
-from .core.flow import LatteConfig, needs_calibration
+from .core.flow import LatteConfig, apply_inference_settings, needs_calibration
 
 __all__ = ["swap_attention", "linearize", "default_forward"]
 
@@ -69,7 +69,7 @@ def linearize(
     cfg = LatteConfig.from_dict(dict(candidates=list(candidates), ratio=ratio, variant=variant, **settings))
     swap_attention(model, cfg.candidates, cfg.variant)
     if not needs_calibration(model, cfg.calibrate):  # calibrate='auto' on a calibrated model: keep its state
-        log("[latte] the model already holds calibrated LATTE state (calibrate='auto'): kept as is")
+        apply_inference_settings(model, cfg, log)  # but mode and threshold apply now
         return model, None
     adapter = TorchAdapter(forward, all_reduce, log, progress)
     return model, calibrate(adapter, model, calib_batches, cfg)

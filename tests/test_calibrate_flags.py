@@ -40,10 +40,41 @@ def test_boolean_flags_turn_off_too_and_unset_flags_change_nothing():
     assert tool.latte_overrides(tool.parse_args(["cfg.py", "--correction", "none"])) == {"correction": "none"}
 
 
-def test_help_comes_from_the_config_docstring():
-    helps = tool.field_help()
+def test_help_comes_from_the_fields_metadata():
+    helps = LatteConfig.field_help()
+    assert set(helps) == {f.name for f in dataclasses.fields(LatteConfig)}
+    assert all(helps.values()), [n for n, h in helps.items() if not h]  # no field without its help
     assert helps["correction"].startswith("output correction") and "refit" in helps["correction"]
+    text = tool.parse_args.__globals__["argparse"].ArgumentParser()
+    tool.add_latte_arguments(text)
+    rendered = text.format_help()  # argparse %-formats help: a '%' in a help text must not break it
+    for name, h in helps.items():
+        if name not in tool.NOT_FLAGS:
+            assert " ".join(h.split()[:3]) in " ".join(rendered.split()), name
     with pytest.raises(SystemExit):
         tool.parse_args(["cfg.py", "--correction", "diagonal"])
     with pytest.raises(SystemExit):  # ratio and num_linear exclude each other
         tool.parse_args(["cfg.py", "--ratio", "0.5", "--num-linear", "2"])
+
+
+def test_a_percent_sign_in_a_help_text_does_not_break_help(monkeypatch):
+    """The cause of the old crash: argparse read a '%' of the help text as a format directive."""
+    import argparse
+
+    f = next(f for f in dataclasses.fields(LatteConfig) if f.name == "lam")
+    monkeypatch.setattr(f, "metadata", {"help": "keeps 95% (a percent sign)"})
+    p = argparse.ArgumentParser()
+    tool.add_latte_arguments(p)
+    assert "keeps 95% (a percent sign)" in p.format_help()
+
+
+@pytest.mark.parametrize("value,match", [("1.5", "target"), ("0", "target"), ("-0.1", "target")])
+def test_a_target_outside_0_1_is_refused_with_the_range(value, match):
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
+        LatteConfig.from_dict({"target": float(value)})
+
+
+@pytest.mark.parametrize("name", ["max_items", "max_queries", "num_images", "greedy_images"])
+def test_counts_below_one_name_the_setting(name):
+    with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+        LatteConfig.from_dict({name: 0})

@@ -100,3 +100,77 @@ def test_triton_kernel_key_slices_sum_to_the_same_result(splits):
     kpm[0, 100:] = True
     out = triton_latte.triton_latte_attention(q, k, v, 0.8, 6.0, kpm, block_m=16, splits=splits)
     torch.testing.assert_close(out.double(), _reference(q, k, v, 0.8, 6.0, kpm), atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------ 16-bit with calibrated scalars
+#: (m, rho) of linear layers real calibrations produce: the generic HF ViT example (README;
+#: delta 346, 811, 1720 -> rho = delta^2 up to 3e6) and the embedded detectors'
+#: (tests/data/calibrated_scalars.json, written by tools/record_scalars.py).
+def _real_scalars():
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "data", "calibrated_scalars.json")
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)["layers"]
+    vit = [{"name": f"vit.delta{d}", "m": (1 - 0.95) ** 0.5, "rho": d * d} for d in (54.6, 346.0, 811.0, 1720.0)]
+    return rows + vit
+
+
+REAL = _real_scalars()
+
+
+def _rel_err(out, ref):
+    """Largest error relative to the output's own scale (the values' magnitude)."""
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rho", [1.0, 1e2, 1e4, 1.2e5, 1e6, 3e6, 1e7])
+def test_triton_kernel_is_finite_and_accurate_in_16_bit_for_large_rho(dtype, rho):
+    """rho far above float16's 65504 (calibrations routinely give 1e5..1e7): finite, and within
+    the 16-bit rounding of the inputs of the float64 reference."""
+    q, k, v = qkv(b=1, h=2, n=64, m=64, d=32)
+    ref = _reference(q, k, v, 0.3, rho, None)
+    out = triton_latte.triton_latte_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.3, rho)
+    assert torch.isfinite(out).all(), (dtype, rho)
+    assert _rel_err(out, ref) < (5e-3 if dtype == torch.float16 else 3e-2), (dtype, rho)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_kernel_is_finite_at_long_n_where_kv_exceeds_float16(dtype):
+    """4,096 keys whose values share a large mean: ``K~^T V`` reaches about 1e5, beyond float16;
+    it is scaled before the 16-bit dot."""
+    q, k, v = qkv(b=1, h=1, n=64, m=4096, d=32)
+    v = v * 10 + 300.0
+    ref = _reference(q, k, v, 0.5, 1e6, None)
+    out = triton_latte.triton_latte_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, 1e6, block_m=64)
+    assert torch.isfinite(out).all()
+    assert _rel_err(out, ref) < (5e-3 if dtype == torch.float16 else 3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layer", REAL, ids=[r["name"] for r in REAL])
+def test_real_calibrated_scalars_in_16_bit_kernel_and_eager(dtype, layer):
+    """Every linear layer of both embedded calibrated detectors and of the generic example, with
+    its own (m, rho) per head, through the Triton kernel and the eager 16-bit layer path."""
+    from latte_plugin.core.layer import LatteParams
+
+    m = torch.tensor(layer["m"], dtype=torch.float32).reshape(-1)
+    rho = torch.tensor(layer["rho"], dtype=torch.float32).reshape(-1)
+    h = max(m.numel(), rho.numel(), 2)
+    m, rho = m.expand(h).contiguous(), rho.expand(h).contiguous()
+    q, k, v = qkv(b=1, h=h, n=96, m=200, d=32, scale=3.0)
+    kpm = torch.zeros(1, 200, dtype=torch.bool, device=DEVICE)
+    kpm[0, 150:] = True
+    ref = _reference(q, k, v, m, rho, kpm)
+    tol = 5e-3 if dtype == torch.float16 else 3e-2
+    out = triton_latte.triton_latte_attention(q.to(dtype), k.to(dtype), v.to(dtype), m, rho, kpm)
+    assert torch.isfinite(out).all() and _rel_err(out, ref) < tol
+    lay = LatteParams(embed_dim=h * 32, num_heads=h, mode="linear").to(DEVICE)
+    lay.m.copy_(m)
+    lay.log_rho.copy_(rho.log())
+    lay.refit_on.fill_(True)  # a refit with weights beyond float16's step size near 1
+    lay.refit_weight.copy_(torch.eye(h * 32) * 1.0001)
+    eager = lay.cpu().attend(q.cpu().to(dtype), k.cpu().to(dtype), v.cpu().to(dtype), kpm.cpu())
+    assert eager.dtype == dtype and torch.isfinite(eager).all()
+    assert _rel_err(eager, ref.cpu() * 1.0001) < tol

@@ -9,7 +9,7 @@ the file decides which framework runs it.
 
 Every ``LatteConfig`` field is a flag (``--num-images 32``, ``--ratio 0.83 | --num-linear K``,
 ``--correction none|sigma|refit``, ``--selection``, ``--per-head/--no-per-head``, ...), built
-from the dataclass itself: ``--help`` lists them with their defaults.
+from the dataclass and its fields' metadata: ``--help`` lists them with their defaults.
 
 Writes ``WORK_DIR/latte_calibrated.pth`` (tensors and plain types only: it loads with
 ``torch.load(weights_only=True)``) and ``WORK_DIR/latte_report.json``. With ``--eval`` it
@@ -33,48 +33,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOT_FLAGS = ("calibrate",)
 
 
-def field_help() -> dict[str, str]:
-    """``{field: help}`` from ``LatteConfig``'s docstring (its ``Attributes:`` section)."""
-    from latte_plugin.core.flow import LatteConfig
-
-    doc = (LatteConfig.__doc__ or "").split("Attributes:", 1)[-1]
-    out: dict[str, str] = {}
-    for line in doc.splitlines():
-        m = re.match(r"^\s{8}(\w+): (.*)$", line)
-        if m:
-            out[m.group(1)] = m.group(2).strip()
-    return out
-
-
-def field_choices() -> dict[str, tuple]:
-    from latte_plugin.core.calibration import CORRECTIONS
-    from latte_plugin.core.flow import SELECTIONS
-    from latte_plugin.core.kernels import VARIANTS
-
-    return {"variant": VARIANTS, "correction": CORRECTIONS, "selection": SELECTIONS, "mode": ("linear", "dynamic")}
-
-
 def add_latte_arguments(p: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per ``LatteConfig`` field: type, default and help from the dataclass.
-    Flags left out keep the config's value (``None`` here)."""
+    """One ``--flag`` per ``LatteConfig`` field: type and default from the dataclass, help and
+    choices from each field's metadata. Flags left out keep the config's value (``None`` here)."""
     from latte_plugin.core.flow import LatteConfig
 
-    helps, choices = field_help(), field_choices()
+    defaults = LatteConfig()
     g = p.add_argument_group("LATTE settings (LatteConfig fields; unset = the config's value)")
     exclusive = g.add_mutually_exclusive_group()
     for f in dataclasses.fields(LatteConfig):
         if f.name in NOT_FLAGS:
             continue
-        default = f.default
-        kw: dict = dict(dest=f.name, default=None, help=f"{helps.get(f.name, '')} (default: {default})")
+        default = getattr(defaults, f.name)
+        shown = " ".join(map(str, default)) if isinstance(default, (tuple, list)) else default
+        # argparse %-formats help strings: a literal percent sign must be doubled
+        text = f"{f.metadata.get('help', '')} (default: {shown})".replace("%", "%%")
+        kw: dict = dict(dest=f.name, default=None, help=text)
         if isinstance(default, bool):
             kw["action"] = argparse.BooleanOptionalAction
         elif isinstance(default, (tuple, list)):
             kw.update(nargs="+", type=type(default[0]) if default else str, metavar=f.name.upper())
         else:
             kw["type"] = (float if "float" in str(f.type) else int) if default is None else type(default)
-            if f.name in choices:
-                kw["choices"] = choices[f.name]
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
         target = exclusive if f.name in ("ratio", "num_linear") else g
         target.add_argument("--" + f.name.replace("_", "-"), **kw)
 

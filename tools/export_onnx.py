@@ -52,7 +52,7 @@ def build_runner(args: argparse.Namespace):
     """The config's Runner with the checkpoint loaded: LATTE state from it, never recalibrated."""
     from mmengine.runner import Runner
 
-    from latte_plugin.core.io import check_readable
+    from latte_plugin.core.io import check_checkpoint, check_readable
     from latte_plugin.mmdet.workflow import load_config
 
     check_readable(args.checkpoint)
@@ -72,6 +72,7 @@ def build_runner(args: argparse.Namespace):
     hook = LinearizeHook.find(runner)
     if hook is not None:
         hook.before_run(runner)  # LATTE layers in place before the checkpoint restores their state
+    check_checkpoint(runner.model, args.checkpoint, "a checkpoint of this config")  # keys and shapes, both modes
     runner.load_or_resume()
     return runner
 
@@ -143,9 +144,14 @@ def evaluate(runner, onnx_path: str) -> dict:
 def main(argv=None) -> dict:
     from latte_plugin.console import quiet, say
 
+    from latte_plugin.core.io import CheckpointError
+
     args = parse_args(argv)
     with quiet(os.path.join(os.path.dirname(os.path.abspath(args.out)), "export_onnx.log")):
-        runner = build_runner(args)
+        try:
+            runner = build_runner(args)
+        except CheckpointError as e:  # one line that names the file and says what to do
+            raise SystemExit(f"error: {e}") from None
         result = export(args, runner)
         say(f"[latte] wrote {result['onnx']} ({len(result['linear'])} linear layers; onnxruntime vs torch on the "
             f"example input: max |diff| {result['max_abs_diff']:.2e})")

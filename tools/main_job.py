@@ -60,8 +60,13 @@ def main(argv=None) -> dict:
 
     log_path = os.path.join(a.work_dir, "main_job.log")
     say(f"[latte] main job: {a.config} on {a.checkpoint}" + ("" if a.verbose else f" (log: {log_path})"))
-    with quiet(log_path, enabled=not a.verbose):
-        report = run(a)
+    from latte_plugin.core.io import CheckpointError
+
+    try:
+        with quiet(log_path, enabled=not a.verbose):
+            report = run(a)
+    except CheckpointError as e:  # one line that names the file and says what to do
+        raise SystemExit(f"error: {e}") from None
     say(format_table(report.pop("_table_rows")))
     say(f"report: {os.path.join(a.work_dir, REPORT_NAME)}\ncheckpoint: {os.path.join(a.work_dir, CKPT_NAME)}\n"
         f"plots: {a.work_dir}/latte_sensitivity.png {a.work_dir}/latte_kept.png"
@@ -109,7 +114,7 @@ def run(a: argparse.Namespace) -> dict:
     from mmengine.runner import Runner
 
     from latte_plugin.core.flow import LatteConfig
-    from latte_plugin.core.io import atomic_write_json
+    from latte_plugin.core.io import atomic_write_json, check_checkpoint
     from latte_plugin.adapter import take_batches
     from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader, linearize_model
     from main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
@@ -136,8 +141,10 @@ def run(a: argparse.Namespace) -> dict:
     cfg.default_hooks.checkpoint = None
     runner = Runner.from_cfg(cfg)
     linearize_model(runner.model, base)
+    if cfg.load_from:
+        check_checkpoint(runner.model, cfg.load_from, "a checkpoint of this config")  # keys and shapes
     runner.load_or_resume()
-    batches = take_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images, 1, ADAPTER.batch_len)
+    batches, _ = take_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images, (0, 1), ADAPTER)
     rows = [r for r in ROWS if not a.rows or r.name in a.rows]
     ckpt_path = os.path.join(a.work_dir, CKPT_NAME)
     default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(

@@ -107,6 +107,10 @@ class LayerRecorder:
                     f"non-finite values (NaN/Inf) in the recorded {name} of layer '{self.name}'; "
                     "check the input images and the checkpoint"
                 )
+        if self.batch_key is not None and q.shape[0] > KEY_STRIDE:
+            raise ValueError(f"layer '{self.name}': a calibration batch of {q.shape[0]} items, more than "
+                             f"{KEY_STRIDE} (items are keyed batch position * {KEY_STRIDE} + index); "
+                             f"give batches of at most {KEY_STRIDE} items")
         for b in range(q.shape[0]):
             # image b of batch p is image key p * KEY_STRIDE + b: global, whatever the rank or order
             key = self.seen if self.batch_key is None else int(self.batch_key) * KEY_STRIDE + b

@@ -8,7 +8,7 @@ callable that runs one batch, and an ``all_reduce`` for distributed runs; it dec
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -31,6 +31,7 @@ __all__ = [
     "calibrate_model",
     "attention_gflops",
     "needs_calibration",
+    "apply_inference_settings",
     "CALIBRATE",
 ]
 
@@ -43,65 +44,78 @@ CALIBRATE = ("auto", "always", "never")
 #: Error compensation after the selection: ``auto`` keeps it only where it lowers the
 #: cross-fitted output error.
 COMPENSATE = ("auto", "always", "never")
+#: Modes of the selected layers at inference.
+INFERENCE_MODES = ("linear", "dynamic")
+
+
+def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> Any:
+    """A ``LatteConfig`` field with its help text (and choices) as metadata: the one place that
+    ``tools/calibrate.py``'s flags, ``--help`` and the docs read them from."""
+    meta = {"help": help, **({"choices": tuple(choices)} if choices else {})}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class LatteConfig:
     """Everything a user sets for LATTE; the same keys in every adapter (mmdet ``LinearizeHook``,
     detectron2 ``model.latte`` and ``LinearizeHook``, :func:`latte_plugin.linearize`) and, as
-    ``--flags``, in ``tools/calibrate.py`` (built from this docstring).
+    ``--flags``, in ``tools/calibrate.py``.
 
-    Attributes:
-        candidates: fnmatch patterns over module names of the attention modules that may go linear.
-        ratio: fraction of the candidates made linear (ignored when num_linear is set).
-        num_linear: exact number of candidates made linear.
-        variant: feature map: qtvit, jpn_only, tte_only or latte.
-        num_images: calibration images taken from the train split.
-        max_items: images recorded per layer, across all ranks (lowest keyed priority kept).
-        max_queries: query tokens recorded per image (keyed random subset).
-        steps: maximum L-BFGS iterations of the per-layer fit (with held-out images the count is chosen on them).
-        lr: L-BFGS step scale.
-        correction: output correction of each linear layer: none, sigma (the paper), refit (ridge refit of the whole output, beyond the paper), or auto (per layer, the candidate with the lowest cross-fitted error).
-        refit_reg: candidate ridge strengths of the refit, relative to the input energy (chosen on held-out images).
-        holdout: fraction of calibration images held out; half of them choose the knobs, the other half only report held-out errors; 0 disables.
-        per_head: fit one (alpha, rho) per head instead of one per layer (beyond the paper).
-        sequential: fit layer l on inputs from the model with the layers before it already linear.
-        compensate: error compensation after the selection: refit each linear layer's output correction, in model order, on inputs from the hybrid (earlier linear layers in place) against the exact model's outputs; auto (keep it only if its cross-fitted output error is lower), always, or never.
-        selection: greedy (add the layer that hurts the final output least), backward (start all-linear, restore the most harmful), score (the paper's per-layer score), or auto (per model, the one of these with the lowest cross-fitted output error on calibration images the searches did not see).
-        target: fidelity budget instead of a count: the most layers whose cross-fitted fidelity loss stays within it; for detectors 1 - agreement of the hybrid's detections with the exact model's (0.05 keeps 95%), else the relative raw-output distortion (ratio and num_linear are then ignored).
-        lam: lambda of the sensitivity score.
-        greedy_images: calibration images the global selections compare outputs on.
-        mode: mode of the selected layers: linear, or dynamic (softmax below threshold keys).
-        threshold: key count below which dynamic layers use softmax (the measured CPU crossover; re-measure on your hardware).
-        seed: seeds the calibration sampler and the recorders' keyed sampling.
-        calibrate: auto (only if the model holds no LATTE state), always, or never (an uncalibrated model is an error).
+    Each field's meaning is its ``metadata["help"]`` (and ``metadata["choices"]`` where the
+    values are a closed set); :meth:`field_help` lists them.
     """
 
-    candidates: Sequence[str] = ("encoder.layers.*.self_attn",)
-    ratio: Optional[float] = 0.67
-    num_linear: Optional[int] = None
-    variant: str = "latte"
-    num_images: int = 64
-    max_items: int = 64
-    max_queries: int = 128
-    steps: int = 20
-    lr: float = 1.0
-    correction: str = "auto"
-    refit_reg: Sequence[float] = REFIT_REGS
-    holdout: float = 0.25
-    per_head: bool = False
-    sequential: bool = False
-    compensate: str = "auto"
-    selection: str = "auto"
-    target: Optional[float] = None
-    lam: float = 10.0
-    greedy_images: int = 8
-    mode: str = "linear"
+    candidates: Sequence[str] = _opt(("encoder.layers.*.self_attn",),
+                                     "fnmatch patterns over module names of the attention modules that may go linear")
+    ratio: Optional[float] = _opt(0.67, "fraction of the candidates made linear, in (0, 1] (ignored when "
+                                        "num_linear is set)")
+    num_linear: Optional[int] = _opt(None, "exact number of candidates made linear")
+    variant: str = _opt("latte", "feature map", VARIANTS)
+    num_images: int = _opt(64, "calibration images taken from the train split (the first num_images of the "
+                               "sampler's order, whatever the number of processes)")
+    max_items: int = _opt(64, "images recorded per layer, across all ranks (lowest keyed priority kept); >= 1")
+    max_queries: int = _opt(128, "query tokens recorded per image (keyed random subset)")
+    steps: int = _opt(20, "maximum L-BFGS iterations of the per-layer fit (with held-out images the count "
+                          "is chosen on them)")
+    lr: float = _opt(1.0, "L-BFGS step scale")
+    correction: str = _opt("auto", "output correction of each linear layer: none, sigma (the paper), refit "
+                                   "(ridge refit of the whole output), or auto (per layer, the candidate with the "
+                                   "lowest cross-fitted error)", CORRECTIONS)
+    refit_reg: Sequence[float] = _opt(REFIT_REGS, "candidate ridge strengths of the refit, relative to the input "
+                                                  "energy (chosen on held-out images)")
+    holdout: float = _opt(0.25, "fraction of calibration images held out, in [0, 1): half of them choose the "
+                                "knobs, the other half only report held-out errors; 0 disables")
+    per_head: bool = _opt(False, "fit one (alpha, rho) per head instead of one per layer")
+    sequential: bool = _opt(False, "fit layer l on inputs from the model with the layers before it already linear")
+    compensate: str = _opt("auto", "error compensation after the selection: refit each linear layer's output "
+                                   "correction on inputs from the hybrid against the exact model's outputs; auto "
+                                   "keeps it only if its cross-fitted output error is lower", COMPENSATE)
+    selection: str = _opt("auto", "greedy (add the layer that hurts the final output least), backward (start "
+                                  "all-linear, restore the most harmful), score (the paper's per-layer score), or "
+                                  "auto (the one of these with the lowest cross-fitted output error)",
+                          SELECTIONS)
+    target: Optional[float] = _opt(None, "fidelity budget in (0, 1) instead of a count: the most layers whose "
+                                         "cross-fitted fidelity loss stays within it; for detectors 1 - agreement "
+                                         "of the detections with the exact model's (0.05 keeps 95 percent), else the "
+                                         "relative raw-output distortion (ratio and num_linear are then ignored)")
+    lam: float = _opt(10.0, "lambda of the sensitivity score")
+    greedy_images: int = _opt(8, "calibration images the global selections compare outputs on")
+    mode: str = _opt("linear", "mode of the selected layers at inference: linear, or dynamic (softmax below "
+                               "threshold keys); applies to a loaded calibration too", INFERENCE_MODES)
     # Crossover measured by benchmarks/attention.py on 2 idle CPU cores (fp32, 8 heads of 32):
     # LATTE is 0.46x SDPA at 128 tokens, even at 256 (1.03x), faster from 512 (README, Performance).
-    threshold: int = 256
-    seed: int = 0
-    calibrate: str = "auto"
+    threshold: int = _opt(256, "key count below which dynamic layers use softmax (the measured CPU crossover; "
+                               "re-measure on your hardware); applies to a loaded calibration too")
+    seed: int = _opt(0, "seeds the calibration sampler and the recorders' keyed sampling")
+    calibrate: str = _opt("auto", "auto (only if the model holds no LATTE state), always, or never (an "
+                                  "uncalibrated model is an error)", CALIBRATE)
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """``{field: help}`` of every field."""
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
 
     def validate(self) -> "LatteConfig":
         """Checks every field; raises ``ValueError`` naming the bad one."""
@@ -111,13 +125,13 @@ class LatteConfig:
             raise ValueError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
-        if self.target is not None and not float(self.target) > 0:
-            raise ValueError(f"target (a fidelity loss budget, e.g. 0.05) must be > 0, got {self.target}")
+        if self.target is not None and not 0.0 < float(self.target) < 1.0:
+            raise ValueError(f"target (a fidelity loss budget, e.g. 0.05 keeps 95%) must be in (0, 1), got {self.target}")
         if self.compensate not in COMPENSATE:
             raise ValueError(f"compensate must be one of {', '.join(COMPENSATE)}, got {self.compensate!r}")
         if self.calibrate not in CALIBRATE:
             raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {self.calibrate!r}")
-        if self.mode not in ("linear", "dynamic"):
+        if self.mode not in INFERENCE_MODES:
             raise ValueError(f"mode of the selected layers must be 'linear' or 'dynamic', got {self.mode!r}")
         if self.num_linear is None:
             num_linear_layers(1, ratio=self.ratio)  # validates the ratio
@@ -127,8 +141,11 @@ class LatteConfig:
             self.refit_reg = (float(self.refit_reg),)
         if not self.refit_reg or any(float(r) < 0 for r in self.refit_reg):
             raise ValueError(f"refit_reg must be non-empty and >= 0, got {self.refit_reg}")
-        if int(self.num_images) < 1:
-            raise ValueError(f"num_images must be >= 1, got {self.num_images}")
+        for name in ("num_images", "max_items", "max_queries", "greedy_images"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.steps) < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
         if isinstance(self.candidates, str):
             self.candidates = (self.candidates,)
         if not self.candidates:
@@ -413,9 +430,14 @@ def measured(layers: dict[str, LatteParams], batches: list, measure: Any,
     return loss
 
 
-def fold_assignment(split: CalibrationSplit, cfg: LatteConfig) -> dict[int, int]:
-    """``{global position: fold}`` of the fit and choice images (every rank computes the same)."""
-    n = max([sum(split.counts.values())] + [p + 1 for role in ROLES for p, _ in getattr(split, role)])
+def fold_assignment(split: CalibrationSplit, cfg: LatteConfig, reduce: AllReduce,
+                    shard: tuple[int, int]) -> dict[int, int]:
+    """``{global position: fold}`` of the fit and choice images up to the largest position of any
+    rank (every rank computes the same map: ``share_items`` gives each rank the others' images)."""
+    rank, world = shard
+    ends = torch.zeros(world, dtype=torch.float64)  # each rank's largest position + 1 (a max through sums)
+    ends[rank] = max([p + 1 for role in ROLES for p, _ in getattr(split, role)], default=0)
+    n = int(max(reduce(ends).max().item(), sum(split.counts.values())))
     return assign_folds([g for g in range(n) if image_role(g, cfg.holdout) != "report"], CROSS_FIT_FOLDS)
 
 
@@ -639,7 +661,7 @@ def calibrate_model(
     rank, world = shard
     positions = list(positions) if positions is not None else [i * world + rank for i in range(len(batches))]
     split = split_calibration(list(batches), positions[: len(batches)], cfg, reduce)
-    fold_of = fold_assignment(split, cfg)
+    fold_of = fold_assignment(split, cfg, reduce, shard)
     fits, corrections, targets = calibrate_layers(layers, split, cfg, forward, reduce, fold_of, log, progress, shard)
     sens, shapes = score_sensitivity(layers, split.fit, forward, cfg, reduce, progress)
     k = num_linear_layers(len(layers), cfg.ratio, cfg.num_linear)
@@ -748,3 +770,27 @@ def needs_calibration(model: nn.Module, calibrate: str) -> bool:
         raise ValueError("calibrate='never' but the model holds no calibrated LATTE state: load a checkpoint "
                          "written by tools/calibrate.py, or set calibrate='auto'")
     return calibrate == "always" or not calibrated
+
+
+def apply_inference_settings(model: nn.Module, cfg: LatteConfig, log: Callable[[str], None] = print) -> list[str]:
+    """Applies the inference-time settings to a model whose LATTE state was loaded, not calibrated now.
+
+    ``mode`` and ``threshold`` take effect at once on the layers the checkpoint made linear
+    (the rest stay exact). The other fields shape calibration; ``variant`` in particular is
+    kept as calibrated, and a different one is reported in one line (it needs ``calibrate='always'``).
+
+    Returns:
+        The linear (non-exact) layers, in model order.
+    """
+    layers = find_latte_layers(model)
+    linear = [n for n, layer in layers.items() if layer.mode != "exact"]
+    set_modes(layers, linear, cfg.mode)
+    for layer in layers.values():
+        layer.threshold.fill_(int(cfg.threshold))
+    loaded = sorted({layer.variant for layer in layers.values() if bool(layer.calibrated)})
+    if loaded and loaded != [cfg.variant]:
+        log(f"[latte] variant={cfg.variant!r} not applied: the checkpoint was calibrated with variant "
+            f"{', '.join(loaded)}, and the variant changes only by recalibrating (calibrate='always')")
+    log(f"[latte] calibrated LATTE state loaded: {len(linear)} of {len(layers)} layers {cfg.mode}"
+        + (f" (softmax below {int(cfg.threshold)} keys)" if cfg.mode == "dynamic" else ""))
+    return linear

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 __all__ = ["atomic_write_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint",
-           "REPORT_NAME", "CKPT_NAME", "CheckpointError", "check_readable", "check_keys", "key_mismatch",
-           "ALLOWED_MISMATCH"]
+           "REPORT_NAME", "CKPT_NAME", "CheckpointError", "check_readable", "check_keys", "check_checkpoint",
+           "key_mismatch", "shape_mismatch", "ALLOWED_MISMATCH"]
 
 #: File names the tools write into a work dir.
 REPORT_NAME = "latte_report.json"
@@ -53,12 +53,42 @@ def key_mismatch(model_keys: list[str], ckpt_keys: list[str]) -> tuple[list[str]
     return (sorted(k for k in ours - ckpt if not allowed(k)), sorted(k for k in ckpt - ours if not allowed(k)))
 
 
+def shape_mismatch(model_state: dict, ckpt_state: dict) -> list[str]:
+    """``'key: checkpoint (shape) vs model (shape)'`` for every key both hold with another shape
+    (a ``module.`` prefix ignored; LATTE's buffers included: theirs follow the model's widths)."""
+    out = []
+    for k, v in ckpt_state.items():
+        k = k[len("module."):] if k.startswith("module.") else k
+        ours = model_state.get(k)
+        if ours is not None and hasattr(v, "shape") and tuple(v.shape) != tuple(ours.shape):
+            out.append(f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(ours.shape)}")
+    return sorted(out)
+
+
 def check_keys(model: torch.nn.Module, checkpoint: Any, path: str, hint: str = "allow_partial_load=True") -> None:
-    """Raises :class:`CheckpointError` when the checkpoint's keys do not match the model's
-    (beyond LATTE's buffers): it comes from another model or config."""
-    missing, unexpected = key_mismatch(list(model.state_dict()), list(_state_of(checkpoint)))
+    """Raises :class:`CheckpointError` when the checkpoint does not fit the model: keys that do
+    not match (beyond LATTE's buffers) or tensors of another shape (e.g. another ``num_classes``
+    or ``embed_dims``, which mmengine would skip with a warning). It comes from another model or config."""
+    model_state, state = model.state_dict(), _state_of(checkpoint)
+    missing, unexpected = key_mismatch(list(model_state), list(state))
     if missing or unexpected:
         raise CheckpointError(mismatch_message(path, missing, unexpected, hint))
+    shapes = shape_mismatch(model_state, state)
+    if shapes:
+        raise CheckpointError(f"{path} does not fit this model: {len(shapes)} tensor(s) of another shape (e.g. "
+                              f"{'; '.join(shapes[:2])}); it is a checkpoint of another model or config (another "
+                              f"num_classes or width?); pass the right one, or set {hint} to load it partially")
+
+
+def check_checkpoint(model: torch.nn.Module, path: str, hint: str = "allow_partial_load=True") -> None:
+    """Reads the checkpoint file at ``path`` and checks it against ``model`` (:func:`check_readable`,
+    :func:`check_keys`): every tool that loads a checkpoint calls this first.
+
+    Raises:
+        CheckpointError: one line naming ``path`` and what to do.
+    """
+    check_readable(path)
+    check_keys(model, torch.load(path, map_location="cpu", weights_only=True, mmap=True), path, hint)
 
 
 def mismatch_message(path: str, missing: list[str], unexpected: list[str], hint: str) -> str:

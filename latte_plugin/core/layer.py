@@ -175,13 +175,16 @@ class LatteParams(nn.Module):
             o: ``(..., H, N, d_v)``. Returns: the same shape.
         """
         h, dv = o.shape[-3], o.shape[-1]
+        out_dtype = o.dtype
+        # in >= float32: fitted weights need not fit 16-bit ranges (a no-op for float32 inputs)
+        o = o.to(torch.promote_types(out_dtype, torch.float32))
         o = o * self.sigma.view(h, 1, dv).to(o.dtype)
         if bool(self.refit_on):
             lead, n = o.shape[:-3], o.shape[-2]
             merged = o.transpose(-3, -2).reshape(-1, h * dv)  # (..., N, H*dv) rows (transpose: exports to ONNX)
             merged = torch.addmm(self.refit_bias.to(o.dtype), merged, self.refit_weight.to(o.dtype).t())
             o = merged.view(*lead, n, h, dv).transpose(-3, -2)
-        return o
+        return o.to(out_dtype)
 
     def use_linear(self, num_keys: int) -> bool:
         mode = self.mode

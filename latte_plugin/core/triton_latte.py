@@ -11,9 +11,14 @@ eager reference; both are tested against the naive composition). Two launches:
    keep the GPU busy when batch x heads is small; their partial sums (a few KB) are added
    by torch.
 2. ``_out_kernel``, one program per (batch, head, block of queries): builds
-   ``rho psi_m(q) / ||psi_m(q)||`` in registers and writes
-   ``(q~ (K~^T V) + sum v) / (q~ . sum k~ + count)`` in the input dtype (the beta column of
-   spec section 4 handled analytically, as in the eager path).
+   ``q~ = psi_m(q) / ||psi_m(q)||`` in registers and writes
+   ``(rho q~ (K~^T V) + sum v) / (rho q~ . sum k~ + count)`` in the input dtype (the beta
+   column handled analytically, as in the eager path).
+
+16-bit inputs: only values in a safe range enter a 16-bit dot. The normalised features lie in
+``[0, 1]``; ``K~^T V`` is divided by its largest entry before the cast; ``rho`` (calibrated
+values of 1e5 to 1e7 are common) and that scale are applied in float32 after the dot. Both
+the numerator and the denominator use the same rounded features.
 
 Supported: float32, float16, bfloat16; head dims that are powers of two from 16 to 128.
 On CPU tensors it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the
@@ -102,7 +107,11 @@ if triton is not None:
                         mask=valid[:, None], other=0.0)
             f = tl.where(valid[:, None], _features(k, m, scale, eps), 0.0)
             if LOW_PRECISION_DOT:  # 16-bit inputs: tensor-core dot, float32 accumulation
-                kv += tl.dot(tl.trans(f.to(v.dtype)), v)
+                # features in [0, 1] round without overflow; the sums below use the rounded ones,
+                # so the numerator and the denominator weigh each key the same
+                f16 = f.to(v.dtype)
+                kv += tl.dot(tl.trans(f16), v)
+                f = f16.to(tl.float32)
             else:
                 kv += tl.dot(tl.trans(f), v.to(tl.float32), input_precision="ieee")
             ksum += tl.sum(f, axis=0)
@@ -115,7 +124,7 @@ if triton is not None:
         tl.store(CNT + slot, tl.sum(cnt, axis=0))
 
     @triton.jit
-    def _out_kernel(Q, KV, KSUM, VSUM, CNT, M_, RHO, O,
+    def _out_kernel(Q, KV, KV_SCALE, KSUM, VSUM, CNT, M_, RHO, O,
                     s_qb, s_qh, s_qn, s_qd, s_ob, s_oh, s_on, s_od,
                     n_queries, n_heads, scale, eps,
                     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr):
@@ -128,14 +137,20 @@ if triton is not None:
         rows = offs_n < n_queries
         q = tl.load(Q + b * s_qb + h * s_qh + offs_n[:, None] * s_qn + offs_d[None, :] * s_qd,
                     mask=rows[:, None], other=0.0)
-        f = _features(q, tl.load(M_ + h), scale, eps) * tl.load(RHO + h)
+        # rho (often 1e5..1e7 after calibration) and the size of K~^T V (grows with the key
+        # count) are applied in float32 after the dot: no 16-bit operand carries them
+        f = _features(q, tl.load(M_ + h), scale, eps)
+        rho = tl.load(RHO + h)
         kv = tl.load(KV + pid * D * DV + offs_d[:, None] * DV + offs_dv[None, :])
         if LOW_PRECISION_DOT:
-            num = tl.dot(f.to(q.dtype), kv.to(q.dtype))
+            kv_scale = tl.load(KV_SCALE + pid)  # max |K~^T V| of this (batch, head), or 1
+            f16 = f.to(q.dtype)
+            num = tl.dot(f16, (kv / kv_scale).to(q.dtype)) * (kv_scale * rho)
+            f = f16.to(tl.float32)  # the denominator weighs the same rounded features
         else:
-            num = tl.dot(f, kv, input_precision="ieee")
+            num = tl.dot(f, kv, input_precision="ieee") * rho
         num += tl.load(VSUM + pid * DV + offs_dv)[None, :]
-        den = tl.sum(f * tl.load(KSUM + pid * D + offs_d)[None, :], axis=1) + tl.load(CNT + pid)
+        den = rho * tl.sum(f * tl.load(KSUM + pid * D + offs_d)[None, :], axis=1) + tl.load(CNT + pid)
         out = num / tl.where(den != 0.0, den, 1.0)[:, None]
         tl.store(O + b * s_ob + h * s_oh + offs_n[:, None] * s_on + offs_dv[None, :] * s_od,
                  out.to(O.dtype.element_ty), mask=rows[:, None])
@@ -193,7 +208,10 @@ def triton_latte_attention(
         LOW_PRECISION_DOT=low)
     # the slices' partial sums (fixed order: deterministic)
     kv, ksum, vsum, cnt = kv.sum(1), ksum.sum(1), vsum.sum(1), cnt.sum(1)
+    # K~^T V is cast to 16 bits for the tensor-core dot: divided by its largest entry first
+    # (it grows with the number of keys and overflows float16 at long N otherwise)
+    kv_scale = kv.abs().amax(dim=(1, 2)).clamp_min(1e-30) if low else cnt
     _out_kernel[(b * h, triton.cdiv(n, block_n))](
-        q, kv, ksum, vsum, cnt, m_h, rho_h, out, *q.stride(), *out.stride(), n, h, scale, eps,
+        q, kv, kv_scale, ksum, vsum, cnt, m_h, rho_h, out, *q.stride(), *out.stride(), n, h, scale, eps,
         D=d, DV=dv, BLOCK_N=block_n, LOW_PRECISION_DOT=low)
     return out

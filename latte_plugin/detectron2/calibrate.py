@@ -49,16 +49,14 @@ class Detectron2Adapter(Adapter):
 
         return detect if hasattr(model, "predict") else None
 
-    def batch_len(self, batch: Any) -> int:
-        return len(batch)
+    def split(self, batch: Any) -> list:
+        return [[d] for d in batch]
 
-    def positions(self, data: Any, batches: Sequence[Any]) -> Optional[list[int]]:
-        # TrainingSampler deals images round-robin (the core's default); InferenceSampler gives each
-        # rank a contiguous block, so pass the global positions for a rank-invariant held-out split.
+    def sample_positions(self, data: Any) -> Optional[Sequence[int]]:
+        # TrainingSampler deals images round-robin (None); InferenceSampler (the COCO configs'
+        # calibration_loader) gives each rank a contiguous block: its dataset indices are global
         local = getattr(getattr(data, "sampler", None), "_local_indices", None)
-        if local is None or getattr(data, "batch_size", 0) != 1:
-            return None
-        return list(local)[: len(batches)]
+        return None if local is None else list(local)
 
     def log(self, line: str) -> None:
         logger.info(line)

@@ -1,11 +1,12 @@
 """``LinearizeHook``: a detectron2 ``HookBase`` that only decides *when* to calibrate."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from detectron2.engine import HookBase
 
-from ..core.flow import LatteConfig, needs_calibration
+from ..core.flow import LatteConfig, apply_inference_settings, needs_calibration
 from ..adapter import swap_attention
 from .calibrate import calibrate_detector, unwrap
 
@@ -33,3 +34,5 @@ class LinearizeHook(HookBase):
         if needs_calibration(model, self.cfg.calibrate):
             loader = self.loader if self.loader is not None else self.trainer.data_loader
             self.report = calibrate_detector(self.trainer.model, loader, self.cfg)
+        else:  # a loaded calibration: mode and threshold apply now
+            apply_inference_settings(model, self.cfg, logging.getLogger("detectron2").info)

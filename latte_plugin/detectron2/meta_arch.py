@@ -31,7 +31,7 @@ from detectron2.modeling import META_ARCH_REGISTRY
 from detectron2.structures import Boxes, Instances
 
 from ..adapter import swap_attention
-from ..core.flow import LatteConfig, find_latte_layers, needs_calibration
+from ..core.flow import LatteConfig, apply_inference_settings, find_latte_layers, needs_calibration
 from ..core.io import CheckpointError, key_mismatch, mismatch_message
 from ..hf.rtdetr import build_rtdetr, rtdetr_postprocess, rtdetr_targets
 
@@ -123,7 +123,9 @@ class LatteMetaArch(nn.Module):
     def _maybe_calibrate(self) -> None:
         if self.latte_cfg is None or self._calibrated_here or not find_latte_layers(self):
             return
-        if not needs_calibration(self, self.latte_cfg.calibrate):
+        if not needs_calibration(self, self.latte_cfg.calibrate):  # loaded: mode and threshold apply now
+            apply_inference_settings(self, self.latte_cfg, logger.info)
+            self._calibrated_here = True
             return
         loader = self.calibration_loader()
         if loader is None:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from ..artifacts import write_artifacts
 from ..core.flow import LatteConfig, find_latte_layers, set_modes
-from ..core.io import check_readable
+from ..core.io import check_checkpoint, check_readable
 from .calibrate import calibrate_detector, unwrap
 
 __all__ = ["load_config", "evaluate_bbox", "run_calibration"]
@@ -55,6 +55,8 @@ def _build_model(cfg, checkpoint: Optional[str]):
     ckpt = checkpoint or cfg.train.get("init_checkpoint") or ""
     if ckpt:
         check_readable(ckpt)
+        if not model.allow_partial_load and ckpt.endswith(".pth"):
+            check_checkpoint(model, ckpt, "model.allow_partial_load=True / --allow-partial-load")  # keys and shapes
         DetectionCheckpointer(model).load(ckpt)
     return model.eval()
 

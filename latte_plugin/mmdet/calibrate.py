@@ -45,8 +45,12 @@ class MMDetAdapter(Adapter):
     def detect(self, model: nn.Module):
         return detector_predict(model)
 
-    def batch_len(self, batch: Any) -> int:
-        return len(batch["inputs"]) if isinstance(batch, dict) and "inputs" in batch else 1
+    def split(self, batch: Any) -> list:
+        if not isinstance(batch, dict) or not isinstance(batch.get("inputs"), (list, tuple)):
+            return [batch]
+        n = len(batch["inputs"])
+        return [{k: (v[i:i + 1] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in batch.items()}
+                for i in range(n)]
 
     def log(self, line: str) -> None:
         print_log(line, logger="current")

@@ -9,7 +9,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmdet.registry import HOOKS
 
-from ..core.flow import LatteConfig, find_latte_layers, needs_calibration
+from ..core.flow import LatteConfig, apply_inference_settings, find_latte_layers, needs_calibration
 from ..core.io import REPORT_NAME, atomic_write_json, check_keys, check_readable
 from .calibrate import build_calibration_loader, calibrate_detector, linearize_model, unwrap
 
@@ -111,8 +111,8 @@ class LinearizeHook(Hook):
         linearize_model(runner.model, self.latte_cfg)
         if needs_calibration(unwrap(runner.model), self.calibrate):
             self.run_calibration(runner)
-        else:
-            print_log("[latte] using the calibrated LATTE state loaded from the checkpoint", logger="current")
+        else:  # mode and threshold apply to a loaded calibration too
+            apply_inference_settings(unwrap(runner.model), self.latte_cfg, lambda line: print_log(line, logger="current"))
 
     def run_calibration(self, runner) -> dict:
         """Calibrates now (the plain functions do the work) and writes the report."""
