@@ -78,3 +78,15 @@ def test_a_target_outside_0_1_is_refused_with_the_range(value, match):
 def test_counts_below_one_name_the_setting(name):
     with pytest.raises(ValueError, match=f"{name} must be >= 1"):
         LatteConfig.from_dict({name: 0})
+
+
+@pytest.mark.parametrize("argv,match", [(["--target", "1.5"], r"target .* must be in \(0, 1\), got 1.5"),
+                                        (["--max-items", "0"], "max_items must be >= 1, got 0")])
+def test_the_tool_refuses_a_bad_setting_in_one_line_before_building_anything(tmp_path, argv, match):
+    import re
+
+    with pytest.raises(SystemExit) as exc:
+        tool.main([str(tmp_path / "no_such_config.py"), "--work-dir", str(tmp_path / "w")] + argv)
+    msg = str(exc.value)
+    assert re.search(match, msg) and "\n" not in msg and msg.startswith("error: ")
+    assert not os.path.exists(tmp_path / "w")

@@ -169,6 +169,14 @@ def test_calibrate_tool_on_a_lazyconfig_and_map_parity_with_mmdet(synthetic_data
     assert abs(saved["metrics"]["linearized"]["bbox_mAP"] - lin) <= 0.005
 
 
+@pytest.fixture(scope="module")
+def train_split_of_40(tmp_path_factory):
+    """A train split larger than num_images (40 > 16): which 16 are taken must not depend on the ranks."""
+    from latte_plugin.data.synthetic import make_synthetic_coco
+
+    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic40")), num_train=40, num_val=2, size=128, seed=5)
+
+
 def _launch_worker(out, data_root):
     from detectron2.config import instantiate
     from detectron2.utils import comm
@@ -179,30 +187,36 @@ def _launch_worker(out, data_root):
     cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never")
     torch.manual_seed(0)
     model = instantiate(cfg.model).eval()
-    loader = instantiate(cfg.model.calibration_loader)  # InferenceSampler: shards across ranks
+    loader = instantiate(cfg.model.calibration_loader)  # the COCO configs' loader: InferenceSampler, blocks per rank
     rep = d2p.calibrate_detector(model, loader, LatteConfig(candidates=["encoder.layers.*.self_attn"],
-                                                            num_images=8, steps=5, max_queries=10000))
+                                                            num_images=16, steps=5, max_queries=10000,
+                                                            max_items=12))
     if comm.is_main_process():
-        layers = find_latte_layers(model)
-        torch.save({"linearized": rep["linearized"],
-                    "scalars": {n: (l.m.clone(), l.log_rho.clone(), l.sigma.clone()) for n, l in layers.items()}}, out)
+        state = {k: v.clone() for k, v in model.state_dict().items() if ".latte." in k}
+        torch.save({"linearized": rep["linearized"], "images": rep["selection"]["images"], "state": state}, out)
 
 
 @pytest.mark.timeout(600)
-def test_detectron2_launch_two_processes_matches_one(synthetic_data, tmp_path):
+def test_detectron2_launch_two_processes_matches_one(train_split_of_40, tmp_path):
+    """detectron2's own ``launch``, 2 gloo processes, the LazyConfig's calibration loader
+    (``InferenceSampler``: rank 0 holds images 0-19, rank 1 images 20-39), 16 of 40 train images:
+    the same images as 1 process (the first 16), the same selection, and every LATTE buffer
+    (m, log_rho, sigma, refit weight and bias, modes) within 1e-5."""
     from detectron2.engine import launch
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     two, one = str(tmp_path / "two.pt"), str(tmp_path / "one.pt")
-    launch(_launch_worker, 2, dist_url=f"tcp://127.0.0.1:{port}", args=(two, synthetic_data))
-    _launch_worker(one, synthetic_data)
+    launch(_launch_worker, 2, dist_url=f"tcp://127.0.0.1:{port}", args=(two, train_split_of_40))
+    _launch_worker(one, train_split_of_40)
     a, b = torch.load(two, weights_only=True), torch.load(one, weights_only=True)
+    assert sum(b["images"].values()) == 16 and a["images"] == b["images"]
     assert a["linearized"] == b["linearized"]
-    for n in b["scalars"]:
-        for x, y in zip(a["scalars"][n], b["scalars"][n]):
-            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert any(k.endswith("refit_weight") and not torch.equal(v, torch.eye(v.shape[0])) for k, v in b["state"].items())
+    assert a["state"].keys() == b["state"].keys()
+    for k, v in b["state"].items():
+        torch.testing.assert_close(a["state"][k], v, atol=1e-5, rtol=0, msg=k)
 
 
 @pytest.mark.parametrize("name,count", [("cond_detr_r18_synthetic_latte.py", 6), ("rtdetr_r18_synthetic_latte.py", 7)])
@@ -215,3 +229,44 @@ def test_embedded_lazyconfigs_build_with_latte(synthetic_data, name, count):
     cfg = LazyConfig.apply_overrides(cfg, [f"model.calibration_loader.dataset.names={train}"])
     model = instantiate(cfg.model)
     assert len(find_latte_layers(model)) == count and model.latte_cfg.ratio == 0.67
+
+
+def test_meta_arch_and_hook_apply_mode_and_threshold_to_a_loaded_calibration(synthetic_data, tmp_path):
+    """A calibrated checkpoint under ``model.latte.mode=dynamic`` (and the hook's ``mode``): the
+    linear layers become dynamic with the given threshold, with no recalibration."""
+    from detectron2.checkpoint import DetectionCheckpointer
+    from detectron2.config import instantiate
+    from detectron2.engine import SimpleTrainer
+
+    from latte_plugin.core.io import save_calibrated_checkpoint
+
+    cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.num_images=2", "model.latte.steps=1",
+                "model.latte.greedy_images=1")
+    model = instantiate(cfg.model).eval()
+    batch = next(iter(instantiate(cfg.dataloader.test)))
+    with torch.no_grad():
+        model(batch)  # calibrates itself
+    linear = sorted(n for n, l in find_latte_layers(model).items() if l.mode == "linear")
+    assert linear
+    path = str(tmp_path / "cal.pth")
+    save_calibrated_checkpoint(model, {"variant": "latte", "candidates": [], "linearized": linear, "config": {}}, path)
+
+    cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.mode=dynamic",
+                "model.latte.threshold=9")
+    fresh = instantiate(cfg.model).eval()
+    DetectionCheckpointer(fresh).load(path)
+    with torch.no_grad():
+        fresh(batch)
+    layers = find_latte_layers(fresh)
+    assert sorted(n for n, l in layers.items() if l.mode == "dynamic") == linear
+    assert all(int(l.threshold) == 9 for l in layers.values())
+
+    other = instantiate(_lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never").model)
+    DetectionCheckpointer(other).load(path)
+    hook = d2p.LinearizeHook(dict(candidates=["encoder.layers.*.self_attn"], mode="dynamic", threshold=5))
+    hook.trainer = SimpleTrainer(other, [batch], torch.optim.SGD(other.parameters(), lr=0.0))
+    hook.before_train()
+    assert hook.report is None
+    layers = find_latte_layers(other)
+    assert sorted(n for n, l in layers.items() if l.mode == "dynamic") == linear
+    assert all(int(l.threshold) == 5 for l in layers.values())

@@ -172,3 +172,27 @@ def test_linearize_takes_the_same_calibrate_vocabulary():
     assert forced is not None
     with pytest.raises(ValueError, match="calibrate must be"):
         latte_plugin.linearize(model, batches, candidates=["layers.*.self_attn"], calibrate="sometimes", **QUIET)
+
+
+def test_inference_settings_apply_to_a_loaded_calibration():
+    """calibrate='auto' on a model that already holds calibrated state: mode and threshold take
+    effect on its linear layers (they used to be silently ignored); a different variant is kept
+    as calibrated and said in one line."""
+    torch.manual_seed(0)
+    model = TinyEncoder().eval()
+    batches = [torch.randn(2, 20, 32) for _ in range(6)]
+    _, rep = latte_plugin.linearize(model, batches, candidates=["layers.*.self_attn"], ratio=0.67, **QUIET)
+    state = model.state_dict()
+    fresh = TinyEncoder().eval()
+    latte_plugin.swap_attention(fresh, ["layers.*.self_attn"])
+    fresh.load_state_dict(state)
+    lines = []
+    _, again = latte_plugin.linearize(fresh, batches, candidates=["layers.*.self_attn"], mode="dynamic",
+                                      threshold=7, variant="jpn_only", progress=False, log=lines.append)
+    assert again is None  # not recalibrated
+    layers = find_latte_layers(fresh)
+    assert {n for n, l in layers.items() if l.mode == "dynamic"} == set(rep["linearized"])
+    assert all(l.mode == "exact" for n, l in layers.items() if n not in rep["linearized"])
+    assert all(int(l.threshold) == 7 and l.variant == "latte" for l in layers.values())
+    said = [s for s in lines if "variant='jpn_only' not applied" in s]
+    assert len(said) == 1 and "calibrate='always'" in said[0]

@@ -266,16 +266,26 @@ def _latte_state(path):
     return {k: v for k, v in state.items() if ".latte." in k}
 
 
+@pytest.fixture(scope="module")
+def synthetic_256_of_12(tmp_path_factory):
+    """A train split larger than the calibration set (12 > 7 images), at the embedded models' size."""
+    from latte_plugin.data.synthetic import make_synthetic_coco
+
+    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic256x12")), num_train=12, num_val=2, size=256,
+                               seed=4)
+
+
 @pytest.mark.timeout(900)
-def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(synthetic_256, tmp_path):
+def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(synthetic_256_of_12, tmp_path):
     """tools/calibrate.py under torchrun (2 CPU processes, gloo, mmengine's launcher) on the
     embedded Conditional DETR at its real shapes (256 tokens, 8 heads of 32; 128 of 256 query
-    tokens sampled per image) gives the same selection and every fitted buffer (m, log_rho,
-    sigma, refit weights and bias) within 1e-5 as 1 process; two 1-process runs give an
-    identical report and checkpoint."""
-    cfg = tiny_cfg(synthetic_256, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
-                                                                    "cond_detr_r18_synthetic_latte.py"),
-                   num_images=8, steps=5)
+    tokens sampled per image), batches of 2 images and 7 of 12 train images (7 does not divide
+    by 2 ranks or by the batch): the same 7 images (positions per image, not per batch), the
+    same selection and every fitted buffer (m, log_rho, sigma, refit weights and bias) within
+    1e-5 as 1 process; two 1-process runs give an identical report and checkpoint."""
+    cfg = tiny_cfg(synthetic_256_of_12, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
+                                                                          "cond_detr_r18_synthetic_latte.py"),
+                   num_images=7, steps=5, calib_batch_size=2)
     cfg_path = tmp_path / "embedded.py"
     cfg.dump(str(cfg_path))
     tool = os.path.join(ROOT, "tools", "calibrate.py")
@@ -294,6 +304,7 @@ def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(sy
     assert all(torch.equal(one_state[k], again_state[k]) for k in one_state)
     two, two_state = run("two", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", extra=("--launcher", "pytorch"))
+    assert sum(one["selection"]["images"].values()) == 7 and two["selection"]["images"] == one["selection"]["images"]
     assert two["linearized"] == one["linearized"]
     assert any(k.endswith("refit_weight") and not torch.equal(v, torch.eye(v.shape[0])) for k, v in one_state.items())
     for k, v in one_state.items():
@@ -393,3 +404,22 @@ def test_target_budgets_detection_disagreement_on_the_embedded_detector(syntheti
     assert all(min(v.values()) > 0.05 for k, v in losses.items() if k > sel["k"])
     assert sel["k"] == 0 or min(losses[sel["k"]].values()) <= 0.05
     assert losses[6]["score"] > 0  # all six linear changes the detections
+
+
+def test_hook_applies_mode_and_threshold_to_a_loaded_calibration(synthetic_data, tmp_path):
+    """mmdet's Runner with a calibrated checkpoint and calibrate='auto': the hook's mode='dynamic'
+    and threshold take effect on the linear layers without recalibrating."""
+    from mmengine.runner import Runner
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=2, steps=1, greedy_images=1)
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    report = _calibrate_tool().main([str(cfg_path), "--work-dir", str(tmp_path / "cal")])
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "dyn"), mode="dynamic", threshold=9, calibrate="auto")
+    cfg.load_from = report["paths"]["checkpoint"]
+    runner = Runner.from_cfg(cfg)
+    runner.test()
+    layers = find_latte_layers(runner.model)
+    assert {n for n, l in layers.items() if l.mode == "dynamic"} == set(report["linearized"])
+    assert all(int(l.threshold) == 9 for l in layers.values())
+    assert not os.path.exists(tmp_path / "dyn" / "latte_report.json")  # nothing recalibrated

@@ -1,6 +1,8 @@
 """ONNX export of the calibrated hybrid: standard operators only, onnxruntime equal to the
-torch model within 1e-4 over token counts, masks and both embedded detector families, and the
-export tool's CocoMetric through onnxruntime equal to the torch model's. ``pytest -k onnx``."""
+torch model within 1e-4 over token counts, masks and both embedded detector families (on the
+detectors' val images with the queries matched: RT-DETR's top-k may swap two nearly tied
+queries), and the export tool's CocoMetric through onnxruntime equal to the torch model's.
+``pytest -k onnx``."""
 import os
 import sys
 
@@ -95,8 +97,10 @@ EMBEDDED = {"cond_detr": ("cond_detr_r18_synthetic_latte.py", "cond_detr_r18_syn
 @pytest.mark.parametrize("name", sorted(EMBEDDED))
 def test_onnx_export_tool_on_the_embedded_models_gives_the_torch_map(synthetic_data, tmp_path, name):
     """tools/calibrate.py on the committed checkpoint (a few images), then tools/export_onnx.py
-    --eval: onnxruntime's raw outputs equal torch's within 1e-4 on every val image and go
-    through the same post-processing to the same CocoMetric mAP; the exact baseline exports too."""
+    --eval: onnxruntime's raw outputs equal torch's within 1e-4 on every val image with the
+    queries matched, and position by position on every image where no two nearly tied queries
+    swapped places (RT-DETR's top-k; none may on the DETR); both go through the same
+    post-processing to the same CocoMetric mAP; the exact baseline exports too."""
     require("mmdet.models")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import calibrate as calibrate_tool
@@ -113,6 +117,8 @@ def test_onnx_export_tool_on_the_embedded_models_gives_the_torch_map(synthetic_d
     assert out["linear"] == report["linearized"] and len(out["linear"]) > 0
     assert out["max_abs_diff"] < TOL and out["metrics"]["max_query_matched_diff_val"] < TOL
     m = out["metrics"]
+    if name == "cond_detr" or m["images_with_reordered_queries"] == 0:  # no top-k: positions are queries
+        assert m["images_with_reordered_queries"] == 0 and m["max_abs_diff_val"] < TOL
     assert round(m["torch"]["bbox_mAP"], 3) == round(m["onnxruntime"]["bbox_mAP"], 3) and m["torch"]["bbox_mAP"] > 0
     exact = export_tool.main([cfg_path, report["paths"]["checkpoint"], "--out", str(tmp_path / "exact.onnx"),
                               "--exact"])

@@ -134,19 +134,35 @@ def run(args: argparse.Namespace) -> dict:
     return run_calibration(args.config, opts=args.cfg_options, launcher=args.launcher, **common)
 
 
+def _close_process_group() -> None:
+    """Under a launcher: wait for every rank, then close the process group (a gloo group left
+    open at interpreter exit can abort a rank with 'terminate called without an active exception')."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
     from latte_plugin.console import quiet, say
+    from latte_plugin.core.flow import LatteConfig
     from latte_plugin.core.io import CheckpointError
 
     args.work_dir = args.work_dir or os.path.join("work_dirs", os.path.splitext(os.path.basename(args.config))[0])
     log_path = os.path.join(args.work_dir, "calibrate.log")
     try:
+        LatteConfig.from_dict(latte_overrides(args))  # a bad setting: one line, before anything is built
         with quiet(log_path, enabled=not args.verbose):
             report = run(args)
-    except CheckpointError as e:  # one line that names the file and says what to do
+    except (CheckpointError, ValueError) as e:  # one line that names the file or setting and says what to do
+        if args.verbose and not isinstance(e, CheckpointError):
+            raise  # the whole traceback, for a report
         raise SystemExit(f"error: {e}") from None
+    finally:
+        _close_process_group()
     if args.eval:
         m, g = report["metrics"], report["attention_gflops"]
         n_lin = f"{len(report['linearized'])}/{len(report['candidates'])}"

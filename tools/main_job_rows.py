@@ -172,7 +172,7 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
         t_row = encoder_latency(model, timing_batch, timing_reps)
         metrics = evaluate_bbox(runner, linear, mode)
         rep = reports.get(row.name, {})
-        held = [f.get("heldout_mse") for f in rep.get("fit", {}).values() if f.get("heldout_mse") is not None]
+        held = [f.get("heldout_mse") for f in row_fits(rep) if f.get("heldout_mse") is not None]
         results[row.name] = {
             **metrics,
             # chosen on held-out calibration images, never on val: output distortion of the
@@ -199,3 +199,24 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
         r["attention_gflops"] = attention_gflops(pairs, layers, r["linearized"], mode) if shapes else float("nan")
         r["retained"] = r["bbox_mAP"] / exact_map if exact_map and exact_map > 0 else float("nan")
     return {"rows": results, "reports": reports}
+
+
+def row_fits(rep: dict) -> list[dict]:
+    """Each layer's fit as the row uses it: the compensated one where compensation was kept."""
+    kept = bool((rep.get("selection", {}).get("compensation") or {}).get("kept"))
+    return [f["compensated"] if kept and f.get("compensated") else f for f in rep.get("fit", {}).values()]
+
+
+def main(argv=None) -> None:
+    """Lists the rows (this file is imported by ``tools/main_job.py``; run that one)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="The main job's rows (imported by tools/main_job.py, which runs them; "
+                                            "pass names to its --rows). Lists each row and the settings it changes.")
+    p.parse_args(argv)
+    for row in ROWS:
+        print(f"{row.name:24s} {row.kind:8s} {row.changes}")
+
+
+if __name__ == "__main__":
+    main()
