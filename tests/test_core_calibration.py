@@ -465,3 +465,17 @@ def test_error_compensation_refits_against_the_exact_model_and_is_kept_only_if_i
     assert c["kept"] == (c["crossfit_distortion"]["compensated"] < c["crossfit_distortion"]["plain"])
     with pytest.raises(ValueError, match="compensate"):
         LatteConfig(compensate="sometimes").validate()
+
+
+def test_a_batch_of_more_than_key_stride_items_is_refused_not_collided():
+    """Items are keyed ``position * KEY_STRIDE + index``: a larger batch would give two images
+    one key; it is refused with the limit in the message."""
+    from latte_plugin.core.calibration import KEY_STRIDE, LayerRecorder
+
+    rec = LayerRecorder("layers.0.attn", max_items=4, max_queries=2)
+    rec.batch_key = 3
+    q = torch.zeros(KEY_STRIDE + 1, 1, 2, 4)
+    with pytest.raises(ValueError, match=f"more than {KEY_STRIDE}"):
+        rec(q, q, q, None, q)
+    rec(q[:KEY_STRIDE], q[:KEY_STRIDE], q[:KEY_STRIDE], None, q[:KEY_STRIDE])
+    assert len({it.key for it in rec.items}) == len(rec.items) == 4
