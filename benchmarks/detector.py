@@ -28,7 +28,9 @@ def detr_r50_with_latte():
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
 
-    from latte_plugin.core.flow import LatteConfig, find_latte_layers
+    from latte_plugin.core.settings import LatteConfig
+
+    from latte_plugin.core.layer import find_latte_layers
     from latte_plugin.mmdet import linearize_model
 
     register_all_modules()
@@ -56,7 +58,7 @@ def main(argv=None) -> list[dict]:
     from mmdet.structures import DetDataSample
 
     from latte_plugin.core.flops import layer_flops
-    from latte_plugin.core.flow import set_modes
+    from latte_plugin.core.layer import set_modes
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     from main_job_rows import encoder_latency
 

@@ -28,7 +28,7 @@ from torch import nn
 # this script's folder (sys.path[0]) would shadow the onnx package with this file: the repository root instead
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from latte_plugin.core.flow import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.core.layer import find_latte_layers, set_modes  # noqa: E402
 from latte_plugin.export import export_onnx, session_for  # noqa: E402
 
 

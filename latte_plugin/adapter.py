@@ -28,7 +28,9 @@ from torch import nn
 
 from .console import progress as console_progress
 from .core.fidelity import DetectionDisagreement
-from .core.flow import LatteConfig, calibrate_model, match_candidates
+from .core.settings import LatteConfig
+from .core.flow import calibrate_model
+from .core.layer import match_candidates
 from .core.mha import swap_mha
 
 __all__ = ["Adapter", "TorchAdapter", "calibrate", "take_batches", "swap_attention", "default_forward",

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .adapter import TorchAdapter, calibrate, default_forward, swap_attention
-from .core.flow import LatteConfig, apply_inference_settings, needs_calibration
+from .core.settings import LatteConfig, apply_inference_settings, needs_calibration
 
 __all__ = ["swap_attention", "linearize", "default_forward"]
 

@@ -391,7 +391,7 @@ def test_fold_weights_are_the_correction_refitted_without_each_fold():
 
 def test_cross_fitted_runs_each_image_with_its_folds_correction():
     """cross_fitted applies fold f's weights while fold f's images run, and restores the full ones."""
-    from latte_plugin.core.flow import cross_fitted
+    from latte_plugin.core.judge import cross_fitted
 
     model = ToyEncoder().eval()
     swap_mha(model, ["layers.*.attn"])

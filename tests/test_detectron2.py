@@ -181,7 +181,7 @@ def _launch_worker(out, data_root):
     from detectron2.config import instantiate
     from detectron2.utils import comm
 
-    from latte_plugin.core.flow import LatteConfig
+    from latte_plugin.core.settings import LatteConfig
 
     torch.set_num_threads(1)
     cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never")

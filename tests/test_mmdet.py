@@ -55,7 +55,7 @@ def test_latte_attention_is_a_drop_in_for_mmcv(batch_first):
 def test_config_swap_on_detr_family(base):
     from mmengine.config import Config
 
-    from latte_plugin.core.flow import LatteConfig
+    from latte_plugin.core.settings import LatteConfig
     from latte_plugin.mmdet import linearize_model
 
     import mmdet
@@ -372,7 +372,7 @@ def test_embedded_latte_configs_swap_their_candidates(name, count, linear):
     """The embedded LATTE configs (the main job's) name candidates that exist: 6 and 7 layers."""
     from mmengine.config import Config
 
-    from latte_plugin.core.flow import LatteConfig
+    from latte_plugin.core.settings import LatteConfig
     from latte_plugin.core.selection import num_linear_layers
     from latte_plugin.mmdet import linearize_model
 

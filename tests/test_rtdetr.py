@@ -84,7 +84,7 @@ def test_rtdetr_candidates_and_exact_mode_is_unchanged():
     from mmdet.registry import MODELS
     from mmdet.structures import DetDataSample
 
-    from latte_plugin.core.flow import LatteConfig
+    from latte_plugin.core.settings import LatteConfig
     from latte_plugin.mmdet import linearize_model
     from latte_plugin.mmdet.rtdetr import RTDETR_CANDIDATES
 

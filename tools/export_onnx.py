@@ -88,7 +88,7 @@ def example_input(runner, shape):
 
 
 def export(args: argparse.Namespace, runner) -> dict:
-    from latte_plugin.core.flow import find_latte_layers
+    from latte_plugin.core.layer import find_latte_layers
     from latte_plugin.export import export_onnx, max_abs_diff, run_onnx
     from latte_plugin.mmdet.export import RawOutputs
 

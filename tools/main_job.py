@@ -113,7 +113,7 @@ def run(a: argparse.Namespace) -> dict:
     from mmengine.config import Config
     from mmengine.runner import Runner
 
-    from latte_plugin.core.flow import LatteConfig
+    from latte_plugin.core.settings import LatteConfig
     from latte_plugin.core.io import atomic_write_json, check_checkpoint
     from latte_plugin.adapter import take_batches
     from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader, linearize_model

@@ -17,7 +17,9 @@ import torch
 from mmengine.logging import print_log
 
 from latte_plugin.console import say, set_label
-from latte_plugin.core.flow import LatteConfig, attention_gflops, find_latte_layers, set_modes
+from latte_plugin.core.settings import LatteConfig
+from latte_plugin.core.flops import attention_gflops
+from latte_plugin.core.layer import find_latte_layers, set_modes
 from latte_plugin.mmdet.calibrate import calibrate_detector, detector_forward, unwrap
 from latte_plugin.mmdet.workflow import evaluate_bbox
 

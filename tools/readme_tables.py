@@ -229,9 +229,9 @@ def main(argv=None) -> int:
             return 1
         return 0
     if new != text:
-        from latte_plugin.core.io import _atomic
+        from latte_plugin.core.io import atomic_write
 
-        _atomic(README, lambda f: f.write(new.encode("utf-8")))
+        atomic_write(README, lambda f: f.write(new.encode("utf-8")))
         print("README.md: tables regenerated")
     return 0
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import sequence_task as task  # noqa: E402
 from latte_plugin import linearize, swap_attention  # noqa: E402
-from latte_plugin.core.flow import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.core.layer import find_latte_layers, set_modes  # noqa: E402
 from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch  # noqa: E402
 
 CANDIDATES = ["encoder.layers.*.self_attn"]

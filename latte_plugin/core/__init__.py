@@ -3,7 +3,9 @@
 Imports torch only; the mmdet and detectron2 adapters import this, never the reverse.
 """
 from .calibration import LayerRecorder, fit_layer, reconstruction_error
-from .flow import LatteConfig, calibrate_model, find_latte_layers, match_candidates, set_modes
+from .settings import LatteConfig
+from .flow import calibrate_model
+from .layer import find_latte_layers, match_candidates, set_modes
 from .io import atomic_write_json, atomic_torch_save
 from .kernels import VARIANTS
 from .layer import MODES, LatteParams

@@ -20,7 +20,7 @@ from torch import Tensor
 from . import kernels
 from .layer import LatteParams
 
-__all__ = ["RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "fit_correction", "FitResult",
+__all__ = ["no_reduce", "RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "fit_correction", "FitResult",
            "reconstruction_error", "AllReduce", "CORRECTIONS", "REFIT_REGS", "REFIT_FALLBACK",
            "cross_fit_correction", "correction_candidates", "partition", "assign_folds", "apply_correction", "set_correction",
            "item_position", "KEY_STRIDE", "CROSS_FIT_FOLDS"]
@@ -28,7 +28,8 @@ __all__ = ["RecordedItem", "LayerRecorder", "share_items", "image_generator", "f
 AllReduce = Callable[[Tensor], Tensor]
 
 
-def _no_reduce(t: Tensor) -> Tensor:
+def no_reduce(t: Tensor) -> Tensor:
+    """The all-reduce of one process: the identity."""
     return t
 
 
@@ -256,7 +257,7 @@ def _sum_count(values: list[tuple[Tensor, float]], all_reduce: AllReduce) -> Ten
     return all_reduce(acc)
 
 
-def softmax_weighted_mean_score(items: list[RecordedItem], all_reduce: AllReduce = _no_reduce) -> float:
+def softmax_weighted_mean_score(items: list[RecordedItem], all_reduce: AllReduce = no_reduce) -> float:
     """The spec's starting anchor: the softmax-weighted mean of ``x_ij = <q_i, k_j> / sqrt(d)``."""
     vals = []
     for it in items:
@@ -303,7 +304,7 @@ def _linear_outputs(layer: LatteParams, it: RecordedItem, m: Tensor, log_rho: Te
 
 
 def reconstruction_error(
-    layer: LatteParams, items: list[RecordedItem], all_reduce: AllReduce = _no_reduce, use_sigma: bool = True
+    layer: LatteParams, items: list[RecordedItem], all_reduce: AllReduce = no_reduce, use_sigma: bool = True
 ) -> float:
     """Mean squared error between the layer's current linear output and the recorded softmax output."""
     vals = []
@@ -591,7 +592,7 @@ def cross_fit_correction(layer: LatteParams, parts: list[list[RecordedItem]], re
     Returns:
         ``(chosen candidate, {candidate: cross-fitted MSE}, the sums of all items, each fold's sums)``.
     """
-    sums = [_normal_sums(layer, _stack_by_shape(p), _no_reduce) for p in parts]
+    sums = [_normal_sums(layer, _stack_by_shape(p), no_reduce) for p in parts]
     total = _total(sums)
     used = [f for f in sums if float(f["rows"]) > 0]
     cands = correction_candidates(refit_regs)
@@ -614,7 +615,7 @@ def fit_layer(
     steps: int = 20,
     lr: float = 1.0,
     correction: str = "sigma",
-    all_reduce: AllReduce = _no_reduce,
+    all_reduce: AllReduce = no_reduce,
     per_head: bool = False,
     choose: Optional[list[RecordedItem]] = None,
     report: Optional[list[RecordedItem]] = None,
@@ -672,7 +673,7 @@ def fit_correction(
     layer: LatteParams,
     items: list[RecordedItem],
     correction: str = "auto",
-    all_reduce: AllReduce = _no_reduce,
+    all_reduce: AllReduce = no_reduce,
     choose: Optional[list[RecordedItem]] = None,
     report: Optional[list[RecordedItem]] = None,
     refit_regs: tuple = REFIT_REGS,

@@ -9,7 +9,7 @@ One multiply-add counts as 2 FLOPs. Per head, with N queries, M keys, head width
 """
 from __future__ import annotations
 
-__all__ = ["exact_attention_flops", "linear_attention_flops", "uniform_attention_flops", "layer_flops", "mode_flops"]
+__all__ = ["attention_gflops", "exact_attention_flops", "linear_attention_flops", "uniform_attention_flops", "layer_flops", "mode_flops"]
 
 
 def exact_attention_flops(n: int, m: int, d: int, d_v: int, heads: int) -> int:
@@ -38,3 +38,14 @@ def mode_flops(n: int, m: int, embed_dim: int, heads: int, mode: str) -> int:
     if mode == "uniform":
         return uniform_attention_flops(n, m, embed_dim // heads, heads)
     return layer_flops(n, m, embed_dim, heads, mode != "exact")
+
+
+def attention_gflops(shapes: dict, layers: dict, linear, mode: str = "linear") -> float:
+    """Attention-core GFLOPs of one image, given each layer's ``(N, M)`` in ``shapes`` and its
+    ``LatteParams`` in ``layers``: ``linear`` layers in ``mode``, the rest exact."""
+    linear = set(linear)
+    total = 0
+    for name, (n, m) in shapes.items():
+        lay = layers[name]
+        total += mode_flops(n, m, lay.embed_dim, lay.num_heads, mode if name in linear else "exact")
+    return total / 1e9

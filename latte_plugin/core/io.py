@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_write_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint",
+__all__ = ["atomic_write", "atomic_write_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint",
            "REPORT_NAME", "CKPT_NAME", "CheckpointError", "check_readable", "check_keys", "check_checkpoint",
            "key_mismatch", "shape_mismatch", "ALLOWED_MISMATCH"]
 
@@ -97,7 +97,7 @@ def mismatch_message(path: str, missing: list[str], unexpected: list[str], hint:
             f"it is a checkpoint of another model or config; pass the right one, or set {hint} to load it partially")
 
 
-def _atomic(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=d)
@@ -118,13 +118,13 @@ def _atomic(path: str, write) -> None:
 
 def atomic_write_json(obj: Any, path: str) -> None:
     """Writes ``obj`` as indented JSON to ``path`` via a temporary file and a rename."""
-    _atomic(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=False).encode()))
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=False).encode()))
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
     """``torch.save`` through a temporary file and a rename. Save only tensors and plain types,
     so the file loads with ``torch.load(..., weights_only=True)``."""
-    _atomic(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(state_dict: dict, meta: dict, path: str) -> None:

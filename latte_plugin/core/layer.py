@@ -7,15 +7,16 @@ about mmdet or detectron2.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from . import kernels
 
-__all__ = ["MODES", "LatteParams", "merge_heads"]
+__all__ = ["MODES", "LatteParams", "merge_heads", "match_candidates", "find_latte_layers", "set_modes"]
 
 #: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys;
 #: ``uniform`` = the mean of the values (a control that shows how much attention matters).
@@ -227,3 +228,39 @@ def merge_heads(o: Tensor) -> Tensor:
     """``(B, H, N, d_v)`` to ``(B, N, H * d_v)``."""
     b, h, n, dv = o.shape
     return o.transpose(1, 2).reshape(b, n, h * dv)
+
+
+def match_candidates(names: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """Module names matching any pattern, in model order.
+
+    Raises:
+        ValueError: if a pattern matches nothing (names it and shows a few module names).
+    """
+    names = list(names)
+    out = []
+    for pat in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            # show attention-looking names first: what the user most likely meant
+            att = [n for n in names if "attn" in n.split(".")[-1] or "attention" in n.split(".")[-1]]
+            sample = ", ".join((att or names)[:8])
+            raise ValueError(f"candidate pattern {pat!r} matches no attention module; available: {sample} ...")
+        out.extend(h for h in hits if h not in out)
+    return [n for n in names if n in out]
+
+
+def find_latte_layers(model: nn.Module) -> dict[str, LatteParams]:
+    """``{attention module name: its LatteParams}`` in model order (the ``.latte`` suffix stripped)."""
+    layers = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LatteParams):
+            default = name[: -len(".latte")] if name.endswith(".latte") else name
+            layers[getattr(mod, "layer_name", default)] = mod
+    return layers
+
+
+def set_modes(layers: dict[str, LatteParams], linear: Iterable[str], mode: str = "linear") -> None:
+    """Puts ``linear`` layers in ``mode`` and every other layer in exact mode."""
+    linear = set(linear)
+    for name, layer in layers.items():
+        layer.mode = mode if name in linear else "exact"

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .layer import LatteParams, merge_heads
+from .layer import LatteParams, match_candidates, merge_heads
 
 __all__ = ["project_mha", "latte_mha_forward", "LatteMultiheadAttention", "swap_mha"]
 
@@ -147,7 +147,6 @@ def swap_mha(model: nn.Module, patterns: Sequence[str], variant: str = "latte") 
     Raises:
         ValueError: a pattern matching no module, or a matched module with no MHA inside.
     """
-    from .flow import match_candidates  # local: flow imports this module's users
 
     modules = dict(model.named_modules())
     names = match_candidates([n for n in modules if n], patterns)

@@ -17,7 +17,7 @@ from torch import nn
 from detectron2.utils import comm
 
 from ..adapter import Adapter, calibrate
-from ..core.flow import LatteConfig
+from ..core.settings import LatteConfig
 
 __all__ = ["Detectron2Adapter", "unwrap", "calibrate_detector"]
 

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from detectron2.engine import HookBase
 
-from ..core.flow import LatteConfig, apply_inference_settings, needs_calibration
+from ..core.settings import LatteConfig, apply_inference_settings, needs_calibration
 from ..adapter import swap_attention
 from .calibrate import calibrate_detector, unwrap
 

@@ -31,7 +31,8 @@ from detectron2.modeling import META_ARCH_REGISTRY
 from detectron2.structures import Boxes, Instances
 
 from ..adapter import swap_attention
-from ..core.flow import LatteConfig, apply_inference_settings, find_latte_layers, needs_calibration
+from ..core.settings import LatteConfig, apply_inference_settings, needs_calibration
+from ..core.layer import find_latte_layers
 from ..core.io import CheckpointError, key_mismatch, mismatch_message
 from ..hf.rtdetr import build_rtdetr, rtdetr_postprocess, rtdetr_targets
 

@@ -10,7 +10,8 @@ import os
 from typing import Optional, Sequence
 
 from ..artifacts import write_artifacts
-from ..core.flow import LatteConfig, find_latte_layers, set_modes
+from ..core.settings import LatteConfig
+from ..core.layer import find_latte_layers, set_modes
 from ..core.io import check_checkpoint, check_readable
 from .calibrate import calibrate_detector, unwrap
 

@@ -17,7 +17,7 @@ from mmengine.model import is_model_wrapper
 from torch import nn
 
 from ..adapter import Adapter, calibrate, swap_attention
-from ..core.flow import LatteConfig
+from ..core.settings import LatteConfig
 
 __all__ = ["MMDetAdapter", "unwrap", "linearize_model", "build_calibration_loader", "detector_forward",
            "detector_predict", "calibrate_detector"]

@@ -9,7 +9,8 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmdet.registry import HOOKS
 
-from ..core.flow import LatteConfig, apply_inference_settings, find_latte_layers, needs_calibration
+from ..core.settings import LatteConfig, apply_inference_settings, needs_calibration
+from ..core.layer import find_latte_layers
 from ..core.io import REPORT_NAME, atomic_write_json, check_keys, check_readable
 from .calibrate import build_calibration_loader, calibrate_detector, linearize_model, unwrap
 

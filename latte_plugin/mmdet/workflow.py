@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..artifacts import write_artifacts
-from ..core.flow import find_latte_layers, set_modes
+from ..core.layer import find_latte_layers, set_modes
 from ..core.io import check_readable, save_calibrated_checkpoint as save_bare
 from .calibrate import unwrap
 

@@ -1,0 +1,198 @@
+"""The user's settings: :class:`LatteConfig` (the same keys in every adapter and as
+``tools/calibrate.py`` flags), their closed vocabularies, and the two decisions every adapter
+makes with them when a model is built: calibrate now (:func:`needs_calibration`), or apply the
+inference-time settings to a loaded calibration (:func:`apply_inference_settings`).
+
+The method behind each setting: ``docs/method.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Optional, Sequence
+
+from torch import nn
+
+from .calibration import CORRECTIONS, REFIT_REGS
+from .kernels import VARIANTS
+from .layer import find_latte_layers, set_modes
+from .selection import num_linear_layers
+
+__all__ = ["LatteConfig", "SELECTIONS", "CALIBRATE", "COMPENSATE", "INFERENCE_MODES", "needs_calibration",
+           "apply_inference_settings"]
+
+#: Layer selections; ``auto`` picks, per model, whichever of the others distorts the model's
+#: outputs least on the choice images.
+SELECTIONS = ("score", "greedy", "backward", "auto")
+#: When a model calibrates: ``auto`` only if its LATTE layers hold no calibrated state,
+#: ``always`` even if they do, ``never`` (an uncalibrated model is then an error).
+CALIBRATE = ("auto", "always", "never")
+#: Error compensation after the selection: ``auto`` keeps it only where it lowers the
+#: cross-fitted output error.
+COMPENSATE = ("auto", "always", "never")
+#: Modes of the selected layers at inference.
+INFERENCE_MODES = ("linear", "dynamic")
+
+
+def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> Any:
+    """A ``LatteConfig`` field with its help text (and choices) as metadata: the one place that
+    ``tools/calibrate.py``'s flags, ``--help`` and the docs read them from."""
+    meta = {"help": help, **({"choices": tuple(choices)} if choices else {})}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class LatteConfig:
+    """Everything a user sets for LATTE; the same keys in every adapter (mmdet ``LinearizeHook``,
+    detectron2 ``model.latte`` and ``LinearizeHook``, :func:`latte_plugin.linearize`) and, as
+    ``--flags``, in ``tools/calibrate.py``.
+
+    Each field's meaning is its ``metadata["help"]`` (and ``metadata["choices"]`` where the
+    values are a closed set); :meth:`field_help` lists them.
+    """
+
+    candidates: Sequence[str] = _opt(("encoder.layers.*.self_attn",),
+                                     "fnmatch patterns over module names of the attention modules that may go linear")
+    ratio: Optional[float] = _opt(0.67, "fraction of the candidates made linear, in (0, 1] (ignored when "
+                                        "num_linear is set)")
+    num_linear: Optional[int] = _opt(None, "exact number of candidates made linear")
+    variant: str = _opt("latte", "feature map", VARIANTS)
+    num_images: int = _opt(64, "calibration images taken from the train split (the first num_images of the "
+                               "sampler's order, whatever the number of processes)")
+    max_items: int = _opt(64, "images recorded per layer, across all ranks (lowest keyed priority kept); >= 1")
+    max_queries: int = _opt(128, "query tokens recorded per image (keyed random subset)")
+    steps: int = _opt(20, "maximum L-BFGS iterations of the per-layer fit (with held-out images the count "
+                          "is chosen on them)")
+    lr: float = _opt(1.0, "L-BFGS step scale")
+    correction: str = _opt("auto", "output correction of each linear layer: none, sigma (the paper), refit "
+                                   "(ridge refit of the whole output), or auto (per layer, the candidate with the "
+                                   "lowest cross-fitted error)", CORRECTIONS)
+    refit_reg: Sequence[float] = _opt(REFIT_REGS, "candidate ridge strengths of the refit, relative to the input "
+                                                  "energy (chosen on held-out images)")
+    holdout: float = _opt(0.25, "fraction of calibration images held out, in [0, 1): half of them choose the "
+                                "knobs, the other half only report held-out errors; 0 disables")
+    per_head: bool = _opt(False, "fit one (alpha, rho) per head instead of one per layer")
+    sequential: bool = _opt(False, "fit layer l on inputs from the model with the layers before it already linear")
+    compensate: str = _opt("auto", "error compensation after the selection: refit each linear layer's output "
+                                   "correction on inputs from the hybrid against the exact model's outputs; auto "
+                                   "keeps it only if its cross-fitted output error is lower", COMPENSATE)
+    selection: str = _opt("auto", "greedy (add the layer that hurts the final output least), backward (start "
+                                  "all-linear, restore the most harmful), score (the paper's per-layer score), or "
+                                  "auto (the one of these with the lowest cross-fitted output error)",
+                          SELECTIONS)
+    target: Optional[float] = _opt(None, "fidelity budget in (0, 1) instead of a count: the most layers whose "
+                                         "cross-fitted fidelity loss stays within it; for detectors 1 - agreement "
+                                         "of the detections with the exact model's (0.05 keeps 95 percent), else the "
+                                         "relative raw-output distortion (ratio and num_linear are then ignored)")
+    lam: float = _opt(10.0, "lambda of the sensitivity score")
+    greedy_images: int = _opt(8, "calibration images the global selections compare outputs on")
+    mode: str = _opt("linear", "mode of the selected layers at inference: linear, or dynamic (softmax below "
+                               "threshold keys); applies to a loaded calibration too", INFERENCE_MODES)
+    # Crossover measured by benchmarks/attention.py on 2 idle CPU cores (fp32, 8 heads of 32):
+    # LATTE is 0.46x SDPA at 128 tokens, even at 256 (1.03x), faster from 512 (README, Performance).
+    threshold: int = _opt(256, "key count below which dynamic layers use softmax (the measured CPU crossover; "
+                               "re-measure on your hardware); applies to a loaded calibration too")
+    seed: int = _opt(0, "seeds the calibration sampler and the recorders' keyed sampling")
+    calibrate: str = _opt("auto", "auto (only if the model holds no LATTE state), always, or never (an "
+                                  "uncalibrated model is an error)", CALIBRATE)
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """``{field: help}`` of every field."""
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+    def validate(self) -> "LatteConfig":
+        """Checks every field; raises ``ValueError`` naming the bad one."""
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown LATTE variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
+        if self.target is not None and not 0.0 < float(self.target) < 1.0:
+            raise ValueError(f"target (a fidelity loss budget, e.g. 0.05 keeps 95%) must be in (0, 1), got {self.target}")
+        if self.compensate not in COMPENSATE:
+            raise ValueError(f"compensate must be one of {', '.join(COMPENSATE)}, got {self.compensate!r}")
+        if self.calibrate not in CALIBRATE:
+            raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {self.calibrate!r}")
+        if self.mode not in INFERENCE_MODES:
+            raise ValueError(f"mode of the selected layers must be 'linear' or 'dynamic', got {self.mode!r}")
+        if self.num_linear is None:
+            num_linear_layers(1, ratio=self.ratio)  # validates the ratio
+        if not 0.0 <= float(self.holdout) < 1.0:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if isinstance(self.refit_reg, (int, float)):
+            self.refit_reg = (float(self.refit_reg),)
+        if not self.refit_reg or any(float(r) < 0 for r in self.refit_reg):
+            raise ValueError(f"refit_reg must be non-empty and >= 0, got {self.refit_reg}")
+        for name in ("num_images", "max_items", "max_queries", "greedy_images"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.steps) < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if isinstance(self.candidates, str):
+            self.candidates = (self.candidates,)
+        if not self.candidates:
+            raise ValueError("candidates is empty: name the attention modules to linearize by pattern")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> "LatteConfig":
+        d = dict(d or {})
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown & {"refit", "fit_sigma"}:
+            raise ValueError("'refit' and 'fit_sigma' were replaced by correction='none'|'sigma'|'refit'")
+        if unknown:
+            raise ValueError(f"unknown LATTE setting(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d).validate()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["candidates"] = list(d["candidates"])
+        d["refit_reg"] = [float(r) for r in d["refit_reg"]]
+        return d
+
+
+def needs_calibration(model: nn.Module, calibrate: str) -> bool:
+    """Whether a model with LATTE layers should calibrate now, under ``calibrate`` (:data:`CALIBRATE`).
+
+    Raises:
+        ValueError: the layers are partly calibrated (a checkpoint made for other candidates),
+            or ``calibrate='never'`` and they are not calibrated.
+    """
+    if calibrate not in CALIBRATE:
+        raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {calibrate!r}")
+    flags = [bool(layer.calibrated) for layer in find_latte_layers(model).values()]
+    if flags and any(flags) and not all(flags):
+        raise ValueError("the checkpoint holds LATTE state for some candidate layers but not others: it was "
+                         "calibrated with other candidates; re-run tools/calibrate.py for this config")
+    calibrated = bool(flags) and all(flags)
+    if calibrate == "never" and not calibrated:
+        raise ValueError("calibrate='never' but the model holds no calibrated LATTE state: load a checkpoint "
+                         "written by tools/calibrate.py, or set calibrate='auto'")
+    return calibrate == "always" or not calibrated
+
+
+def apply_inference_settings(model: nn.Module, cfg: LatteConfig, log: Callable[[str], None] = print) -> list[str]:
+    """Applies the inference-time settings to a model whose LATTE state was loaded, not calibrated now.
+
+    ``mode`` and ``threshold`` take effect at once on the layers the checkpoint made linear
+    (the rest stay exact). The other fields shape calibration; ``variant`` in particular is
+    kept as calibrated, and a different one is reported in one line (it needs ``calibrate='always'``).
+
+    Returns:
+        The linear (non-exact) layers, in model order.
+    """
+    layers = find_latte_layers(model)
+    linear = [n for n, layer in layers.items() if layer.mode != "exact"]
+    set_modes(layers, linear, cfg.mode)
+    for layer in layers.values():
+        layer.threshold.fill_(int(cfg.threshold))
+    loaded = sorted({layer.variant for layer in layers.values() if bool(layer.calibrated)})
+    if loaded and loaded != [cfg.variant]:
+        log(f"[latte] variant={cfg.variant!r} not applied: the checkpoint was calibrated with variant "
+            f"{', '.join(loaded)}, and the variant changes only by recalibrating (calibrate='always')")
+    log(f"[latte] calibrated LATTE state loaded: {len(linear)} of {len(layers)} layers {cfg.mode}"
+        + (f" (softmax below {int(cfg.threshold)} keys)" if cfg.mode == "dynamic" else ""))
+    return linear
