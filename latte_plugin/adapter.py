@@ -160,7 +160,7 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
     """Installs LATTE in the candidates (idempotent), calibrates on ``data`` and selects; leaves the model hybrid.
 
     The caller decides *whether* to calibrate (``calibrate=`` and
-    :func:`~latte_plugin.core.flow.needs_calibration`); this function always does.
+    :func:`~latte_plugin.core.settings.needs_calibration`); this function always does.
 
     Args:
         adapter: the framework's :class:`Adapter`.

@@ -30,7 +30,7 @@ def qkv(b=2, h=4, n=37, m=None, d=16, dv=None, dtype=torch.float32, scale=1.0):
 
 #: Optional frameworks: when one of these (top-level) modules is absent, its tests skip.
 OPTIONAL = {"detectron2": "detectron2 is not installed (bash tools/test.sh installs it from LATTE_DETECTRON2_SRC "
-                          "or its official repository: README, 'Using it from Detectron2')",
+                          "or its official repository: README, 'The two commands')",
             "mmdet": "mmdet is not installed", "mmcv": "mmcv is not installed", "mmengine": "mmengine is not installed",
             "transformers": "transformers is not installed"}
 

@@ -9,10 +9,31 @@ import readme_tables  # noqa: E402
 
 
 def test_readme_tables_match_the_committed_results():
+    """Every generated table, on the README and on every docs/ page."""
+    found = 0
+    for page in readme_tables.pages():
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        found += len(readme_tables.MARKER.findall(text))
+        assert readme_tables.render(text) == text, f"{page} is stale: run python tools/readme_tables.py"
+    assert found >= 10, "the pages have lost their generated tables"
     with open(readme_tables.README, encoding="utf-8") as f:
-        text = f.read()
-    assert readme_tables.MARKER.search(text), "the README has no generated tables"
-    assert readme_tables.render(text) == text, "README.md is stale: run python tools/readme_tables.py"
+        assert "<!-- results:headline -->" in f.read(), "the README's headline table is not generated"
+
+
+def test_the_readme_is_a_front_door_and_nothing_points_outside_the_repository():
+    import subprocess
+
+    with open(readme_tables.README, encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 250
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    outside = []
+    for name in files:
+        if name.endswith((".py", ".md", ".sh", ".json", ".txt", ".ini", ".toml", ".cfg")):
+            with open(os.path.join(ROOT, name), encoding="utf-8", errors="replace") as f:
+                if "../" + "shared" in f.read():  # (spelled apart so this file does not match itself)
+                    outside.append(name)
+    assert not outside, f"files that point outside the repository: {outside}"
 
 
 def test_a_changed_result_makes_the_check_fail(tmp_path, monkeypatch):
@@ -26,6 +47,10 @@ def test_a_changed_result_makes_the_check_fail(tmp_path, monkeypatch):
     data["rows"][0]["enc_speedup"] += 1.0
     path.write_text(json.dumps(data))
     monkeypatch.setattr(readme_tables, "RESULTS", str(results))
-    with open(readme_tables.README, encoding="utf-8") as f:
-        text = f.read()
-    assert readme_tables.render(text) != text
+    changed = []
+    for page in readme_tables.pages():
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        if readme_tables.render(text) != text:
+            changed.append(os.path.basename(page))
+    assert changed == ["deployment.md"]  # the page that holds the detector timing table

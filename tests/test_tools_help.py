@@ -23,3 +23,10 @@ def test_every_script_answers_help(script):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout, out.stdout[-500:]
+
+
+def test_the_demo_answers_help_without_setting_anything_up():
+    out = subprocess.run(["bash", "tools/demo.sh", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--full" in out.stdout, out.stderr
+    bad = subprocess.run(["bash", "tools/demo.sh", "--fast"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown option --fast" in bad.stdout

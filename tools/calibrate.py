@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
             from latte_plugin.detectron2.workflow import run_calibration as run_d2
         except ModuleNotFoundError as e:
             raise SystemExit(f"{args.config} is a detectron2 LazyConfig but detectron2 is not importable ({e}); "
-                             "install it from its official source (README, 'Using it from Detectron2')") from e
+                             "install it from its official source (README, 'The two commands')") from e
         return run_d2(args.config, opts=args.cfg_options, **common)
     from latte_plugin.mmdet.workflow import run_calibration
 

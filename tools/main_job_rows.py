@@ -35,7 +35,7 @@ class Row:
     kind: str = "latte"  # 'exact', 'uniform' or 'latte'
 
 
-#: The paper's protocol (spec section 9: all calibration images fitted, sigma, the paper's
+#: The paper's protocol (``docs/method.md#variants``: all calibration images fitted, sigma, the paper's
 #: per-layer score) for the four variants, the control, and our recipe ("ours" = the package
 #: defaults: the output correction chosen per layer by cross-fitting and the selection chosen
 #: per model on held-out images, each with the paper's choice among the candidates) with one

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Regenerates the README's tables from the committed result files under ``results/``.
+"""Regenerates the tables of the README and of the docs/ pages from the committed result files
+under ``results/``.
 
-    python tools/readme_tables.py           # rewrite README.md in place
-    python tools/readme_tables.py --check   # exit 1 (and show the first difference) if it is stale
+    python tools/readme_tables.py           # rewrite README.md and docs/*.md in place
+    python tools/readme_tables.py --check   # exit 1 (and show the first difference) if one is stale
 
-Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` markers;
-NAME picks the renderer and its result file (see :data:`TABLES`). Nothing else in the
-README is touched. ``tests/test_readme.py`` runs ``--check``.
+Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` markers, on
+whichever page holds it; NAME picks the renderer and its result file (see :data:`TABLES`).
+Nothing else on a page is touched. ``tests/test_readme.py`` checks every page.
 """
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ from typing import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
 README = os.path.join(ROOT, "README.md")
+
+
+def pages() -> list[str]:
+    """The README and every docs/ page: where generated tables may sit."""
+    docs = os.path.join(ROOT, "docs")
+    return [README] + sorted(os.path.join(docs, f) for f in os.listdir(docs) if f.endswith(".md"))
 MARKER = re.compile(r"(<!-- results:([\w:.-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.DOTALL)
 
 
@@ -183,7 +190,25 @@ def sequence_table() -> str:
         f"calibration {budgets}; test {res['test']}."
 
 
+#: The headline: which main-job rows, under which names.
+HEADLINE_ROWS = (("exact", "exact"), ("latte", "the paper's protocol (67%)"), ("ours:auto", "ours (67%)"),
+                 ("ours:auto@83%", "ours (83%)"))
+
+
+def headline_table() -> str:
+    """The README's headline: exact, the paper's protocol and ours at 67% and 83%, per embedded model."""
+    rows = []
+    for model, label in (("cond_detr", "Conditional DETR"), ("rtdetr", "RT-DETR")):
+        metrics = _load(f"main_job_{model}.json")["metrics"]
+        for key, name in HEADLINE_ROWS:
+            m = metrics[key]
+            kept = 100 * m["retained"] if m.get("retained") is not None else None
+            rows.append([label, name, m["linear"], f"{m['bbox_mAP']:.3f}", _num(kept, ".1f")])
+    return _table(["model", "row", "linear layers", "bbox mAP", "% kept"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "headline": headline_table,
     "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,
     "onnx_cpu": onnx_cpu_table,
@@ -208,7 +233,7 @@ def render(text: str) -> str:
     def one(m: re.Match) -> str:
         name = m.group(2)
         if name not in TABLES:
-            raise SystemExit(f"README.md: unknown results table {name!r}; known: {', '.join(TABLES)}")
+            raise SystemExit(f"unknown results table {name!r}; known: {', '.join(TABLES)}")
         return m.group(1) + TABLES[name]().rstrip("\n") + "\n" + m.group(4)
 
     return MARKER.sub(one, text)
@@ -216,24 +241,27 @@ def render(text: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only check that README.md is up to date")
+    p.add_argument("--check", action="store_true", help="only check that every page is up to date")
     a = p.parse_args(argv)
-    with open(README, encoding="utf-8") as f:
-        text = f.read()
-    new = render(text)
-    if a.check:
-        if new != text:
-            diff = "".join(list(difflib.unified_diff(text.splitlines(True), new.splitlines(True), "README.md",
+    stale = 0
+    for page in pages():
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        new = render(text)
+        name = os.path.relpath(page, ROOT)
+        if new == text:
+            continue
+        if a.check:
+            diff = "".join(list(difflib.unified_diff(text.splitlines(True), new.splitlines(True), name,
                                                      "regenerated"))[:40])
-            print(f"README.md is stale: run python tools/readme_tables.py\n{diff}")
-            return 1
-        return 0
-    if new != text:
+            print(f"{name} is stale: run python tools/readme_tables.py\n{diff}")
+            stale = 1
+            continue
         from latte_plugin.core.io import atomic_write
 
-        atomic_write(README, lambda f: f.write(new.encode("utf-8")))
-        print("README.md: tables regenerated")
-    return 0
+        atomic_write(page, lambda f, new=new: f.write(new.encode("utf-8")))
+        print(f"{name}: tables regenerated")
+    return stale
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Training-free calibration of one layer's LATTE scalars (spec section 6).
+"""Training-free calibration of one layer's LATTE scalars (``docs/method.md#calibration``).
 
 * :class:`LayerRecorder` keeps a bounded, seeded reservoir of what a layer saw.
 * :func:`fit_layer` fits ``(alpha, rho, sigma)`` by local reconstruction on it.
@@ -204,7 +204,7 @@ STEP_CHECKPOINTS = (5, 10, 20, 40, 80)
 #: Ridge strengths of the output refit, relative to the mean energy of its inputs.
 REFIT_REGS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 #: Ridge strength used when nothing is held out to choose it (the more cautious of the values
-#: the choice items picked on the embedded models: README, Results).
+#: the choice items picked on the embedded models: docs/results.md).
 REFIT_FALLBACK = 0.01
 #: Output corrections: none, the paper's per-channel sigma, the ridge refit of the whole output,
 #: or ``auto``: the one of these (refit at each strength) with the lowest cross-fitted error.
@@ -622,7 +622,7 @@ def fit_layer(
     refit_regs: tuple = REFIT_REGS,
     fold_of: Optional[dict[int, int]] = None,
 ) -> FitResult:
-    """Fits one layer's scalars by local reconstruction (spec section 6.2), in place.
+    """Fits one layer's scalars by local reconstruction (``docs/method.md#calibration``), in place.
 
     ``m`` (so alpha) starts at the softmax-weighted mean score; :func:`grid_start` and
     :func:`lbfgs_refine` minimise the MSE against the recorded softmax outputs (``jpn_only``

@@ -8,7 +8,7 @@ identical, lower is better). Two measures:
   Any model; what the generic entry uses.
 * :class:`DetectionDisagreement`: ``1 -`` the agreement of the hybrid's detections with the
   exact model's (:func:`detection_agreement`). Raw head outputs of a detector are dominated by
-  background queries, so a 1% raw distortion can hide a halved mAP (README, Results); this
+  background queries, so a 1% raw distortion can hide a halved mAP (docs/results.md); this
   measure looks at what the evaluator looks at: confident boxes, their classes and overlaps.
 """
 from __future__ import annotations

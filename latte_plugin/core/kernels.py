@@ -1,4 +1,4 @@
-"""LATTE attention math as small pure functions (spec: ``../shared/LATTE-SPEC.md``).
+"""LATTE attention math as small pure functions (the method: ``docs/method.md``).
 
 Every tensor is laid out per head: ``q`` is ``(B, H, N, d)``, ``k`` is ``(B, H, M, d)``,
 ``v`` is ``(B, H, M, d_v)``. ``key_padding_mask`` is ``(B, M)`` with ``True`` marking a
@@ -35,7 +35,7 @@ __all__ = [
     "compiled_fused_latte_attention",
 ]
 
-#: The four rows of spec section 9, by name.
+#: The four variants (``docs/method.md#variants``), by name.
 VARIANTS = ("qtvit", "jpn_only", "tte_only", "latte")
 
 _EPS = 1e-6
@@ -69,7 +69,7 @@ def _additive_mask(
 
 def naive_softmax_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
                             attn_mask: Optional[Tensor] = None) -> Tensor:
-    """Reference softmax attention (spec section 1), computed in float64-free plain torch.
+    """Reference softmax attention (``docs/method.md#softmax``), computed in float64-free plain torch.
 
     Args:
         q: ``(B, H, N, d)``.
@@ -114,7 +114,7 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optiona
 
 
 def taylor_kernel(x: Tensor, alpha: float | Tensor) -> Tensor:
-    """The TTE kernel ``kappa_alpha(x) = (x + 1 - alpha)^2 + 1`` (spec section 2), >= 1."""
+    """The TTE kernel ``kappa_alpha(x) = (x + 1 - alpha)^2 + 1`` (``docs/method.md#tte``), >= 1."""
     return (x + 1.0 - alpha) ** 2 + 1.0
 
 
@@ -126,7 +126,7 @@ def _h_m(x: Tensor, m: Tensor | float) -> Tensor:
 
 
 def taylor_exact_feature_map(x: Tensor, m: Tensor | float) -> Tensor:
-    """Exact second-order map ``phi(x) = [vec(h_m(x) (x) h_m(x)), 1]`` (spec section 2).
+    """Exact second-order map ``phi(x) = [vec(h_m(x) (x) h_m(x)), 1]`` (``docs/method.md#tte``).
 
     ``<phi(q), phi(k)> = kappa_alpha(<q, k> / sqrt(d))`` exactly, with ``alpha = 1 - m^2``.
 
@@ -151,7 +151,7 @@ def qtvit_feature_map(x: Tensor, eps: float = _EPS) -> Tensor:
     """QT-ViT's map without its constant column: L2-normalise, square, L2-normalise again.
 
     Follows ``LiteMLA.relu_linear_att`` of the public QT-ViT code; the constant column is
-    appended by :func:`augment` with a calibrated scalar (spec section 9).
+    appended by :func:`augment` with a calibrated scalar (``docs/method.md#variants``).
     """
     x = x / (x.norm(dim=-1, keepdim=True) + eps)
     x = x * x
@@ -159,7 +159,7 @@ def qtvit_feature_map(x: Tensor, eps: float = _EPS) -> Tensor:
 
 
 def jpn_normalize(feat: Tensor, delta: Tensor | float, eps: float = _EPS) -> Tensor:
-    """Factorised JPN (spec section 3): ``delta * feat / (||feat||_2 + eps)`` per token."""
+    """Factorised JPN (``docs/method.md#jpn``): ``delta * feat / (||feat||_2 + eps)`` per token."""
     return delta * feat / (feat.norm(dim=-1, keepdim=True) + eps)
 
 
@@ -175,13 +175,13 @@ def naive_jpn_similarity(
 
 
 def augment(feat: Tensor, beta: Tensor | float) -> Tensor:
-    """Appends the augmentation column ``beta`` (spec section 4): ``(..., F)`` to ``(..., F + 1)``."""
+    """Appends the augmentation column ``beta`` (``docs/method.md#linear-form``): ``(..., F)`` to ``(..., F + 1)``."""
     col = torch.as_tensor(beta, dtype=feat.dtype, device=feat.device).expand(*feat.shape[:-1], 1)
     return torch.cat([feat, col], dim=-1)
 
 
 def apply_sigma(o: Tensor, sigma: Optional[Tensor]) -> Tensor:
-    """Output rescaling ``sigma * o`` over the concatenated heads (spec section 5); ``o`` is ``(..., C)``."""
+    """Output rescaling ``sigma * o`` over the concatenated heads (``docs/method.md#output-correction``); ``o`` is ``(..., C)``."""
     return o if sigma is None else o * sigma.to(o.dtype)
 
 
@@ -196,7 +196,7 @@ def variant_features(
     beta_k: Tensor | float,
     eps: float = _EPS,
 ) -> tuple[Tensor, Tensor]:
-    """Feature maps ``Q^``, ``K^`` of one variant of spec section 9, beta column included.
+    """Feature maps ``Q^``, ``K^`` of one variant (``docs/method.md#variants``), beta column included.
 
     ``jpn_only`` ignores ``m`` (alpha fixed at 0, so m = 1). ``tte_only`` and ``qtvit`` use
     QT-ViT's decoupled normalisation: each side is L2-normalised before the map and
@@ -292,7 +292,7 @@ def bool_attn_mask(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
 def linear_attention(
     fq: Tensor, fk: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None
 ) -> Tensor:
-    """Linear-time kernel attention ``O = Q^ (K^T V) / (Q^ (K^T 1))`` (spec section 4).
+    """Linear-time kernel attention ``O = Q^ (K^T V) / (Q^ (K^T 1))`` (``docs/method.md#linear-form``).
 
     ``K^T V`` and ``K^T 1`` accumulate in float32 whatever the input dtype; padded keys
     get zero features, so they add nothing to either sum. The output has ``v``'s dtype.
@@ -384,7 +384,7 @@ def compiled_fused_latte_attention():
 
     Same contract and results (tested against the eager function); on CPU inductor fuses the
     element-wise feature maps into the loops around the two matmuls (about 2x faster from
-    4k tokens, see README). The first call compiles (~30 s on 2 cores); needs a C++ compiler.
+    4k tokens, docs/deployment.md). The first call compiles (~30 s on 2 cores); needs a C++ compiler.
     """
     global _COMPILED
     if _COMPILED is None:

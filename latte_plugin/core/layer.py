@@ -40,9 +40,9 @@ def _triton_ready(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 class LatteParams(nn.Module):
-    """The LATTE scalars of one attention layer (spec sections 2-5, 8).
+    """The LATTE scalars of one attention layer (``docs/method.md#tte`` to ``#dynamic``).
 
-    Gauge (spec section 4): the output depends on ``delta_q delta_k / (beta_q beta_k)`` only,
+    Gauge (``docs/method.md#linear-form``): the output depends on ``delta_q delta_k / (beta_q beta_k)`` only,
     so we fit ``log_rho = log(delta_q delta_k)`` with ``beta_q = beta_k = 1`` and report
     ``delta_q = delta_k = sqrt(rho)``. ``alpha = 1 - m^2`` is always <= 1.
 

@@ -1,4 +1,4 @@
-"""Sensitivity-aware layer selection (spec section 7)."""
+"""Sensitivity-aware layer selection (``docs/method.md#selection``)."""
 from __future__ import annotations
 
 import math

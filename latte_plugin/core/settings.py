@@ -90,7 +90,7 @@ class LatteConfig:
     mode: str = _opt("linear", "mode of the selected layers at inference: linear, or dynamic (softmax below "
                                "threshold keys); applies to a loaded calibration too", INFERENCE_MODES)
     # Crossover measured by benchmarks/attention.py on 2 idle CPU cores (fp32, 8 heads of 32):
-    # LATTE is 0.46x SDPA at 128 tokens, even at 256 (1.03x), faster from 512 (README, Performance).
+    # LATTE is 0.46x SDPA at 128 tokens, even at 256 (1.03x), faster from 512 (docs/deployment.md, Performance).
     threshold: int = _opt(256, "key count below which dynamic layers use softmax (the measured CPU crossover; "
                                "re-measure on your hardware); applies to a loaded calibration too")
     seed: int = _opt(0, "seeds the calibration sampler and the recorders' keyed sampling")

@@ -20,7 +20,7 @@ import numpy as np
 
 #: Object class = shape x context. The context is the colour of one small key marker
 #: placed elsewhere in the image, so naming an object needs information from far away:
-#: the encoder's global attention is what carries it (see README, "embedded default").
+#: the encoder's global attention is what carries it (docs/results.md, "The embedded default").
 SHAPES = ("square", "disc")
 CONTEXTS = ("red", "blue")
 CLASSES = tuple(f"{s}-{c}" for s in SHAPES for c in CONTEXTS)

@@ -1,4 +1,4 @@
-"""Detectron2 adapter (needs detectron2 installed from its official source; see README).
+"""Detectron2 adapter (needs detectron2 installed from its official source; see docs/detectron2.md).
 
 * :class:`LatteRTDETR` (HF transformers only, no mmdet or mmcv), :class:`MMDetDetector` and
   :class:`LatteDETR` (mmdet's DETR family): meta-architectures in ``META_ARCH_REGISTRY``,

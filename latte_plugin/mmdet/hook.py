@@ -39,7 +39,7 @@ class LinearizeHook(Hook):
         calib_pipeline: ``'test'`` (train images through the test pipeline) or ``'train'``.
         calib_batch_size: images per calibration batch.
         allow_partial_load: accept a checkpoint whose keys do not match the model's.
-        **latte: the other :class:`~latte_plugin.core.flow.LatteConfig` fields (``ratio``,
+        **latte: the other :class:`~latte_plugin.core.settings.LatteConfig` fields (``ratio``,
             ``num_linear``, ``variant``, ``num_images``, ``calibrate='auto'|'always'|'never'``, ...).
     """
 
