@@ -53,7 +53,7 @@ def peak(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def main(argv=None) -> list[dict]:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
@@ -62,59 +62,60 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this benchmark needs a GPU (the CPU one is benchmarks/attention.py)")
+    return p.parse_args(argv)
+
+
+def flash_sdpa(q, k, v):
+    """SDPA restricted to the flash backend (what the paper compares with)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dev = torch.device("cuda")
-    rows = []
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def measure_point(a: argparse.Namespace, name: str, n: int) -> dict:
+    """One dtype and token count: the kernel (checked against the eager path first), the eager
+    path, flash SDPA and the memcpy roofline, side by side; the tensors are freed on return."""
+    dev, dt = torch.device("cuda"), DTYPES[name]
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn((a.batch, a.heads, n, a.head_dim), generator=g, device=dev, dtype=dt) for _ in range(3))
+    m = torch.full((a.heads, 1, 1), 0.8, device=dev)
+    rho = torch.full((a.heads, 1, 1), 50.0, device=dev)
+    buf = torch.empty(4 * q.numel(), device=dev, dtype=dt)
+    src = torch.cat([q.flatten(), k.flatten(), v.flatten(), v.flatten()])
+    eager = lambda: K.fused_latte_attention(q, k, v, m, rho)  # noqa: E731
+    latte = lambda: T.triton_latte_attention(q, k, v, m, rho)  # noqa: E731
+    err = (latte().float() - eager().float()).abs().max().item()
+    if err > 5e-2:
+        raise SystemExit(f"the Triton kernel differs from the eager path by {err} at N={n} ({name})")
+    try:
+        flash_sdpa(q, k, v)
+        t_flash, m_flash = cuda_time(lambda: flash_sdpa(q, k, v), a.reps), peak(lambda: flash_sdpa(q, k, v))
+    except RuntimeError as e:  # fp32, or a head size flash does not take
+        t_flash, m_flash = float("nan"), 0
+        print(f"  (flash unavailable for {name}: {str(e).splitlines()[0]})")
+    t_latte, t_eager, m_latte = cuda_time(latte, a.reps), cuda_time(eager, a.reps), peak(latte)
+    t_copy = cuda_time(lambda: buf.copy_(src), a.reps)
+    return dict(dtype=name, n=n, kernel_ms=t_latte, eager_ms=t_eager, flash_ms=t_flash, memcpy_ms=t_copy,
+                speedup=t_flash / t_latte, roofline=t_latte / t_copy, max_abs_diff_vs_eager=err,
+                kernel_mib=m_latte / 2**20, flash_mib=m_flash / 2**20)
+
+
+def main(argv=None) -> list[dict]:
+    a = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this benchmark needs a GPU (the CPU one is benchmarks/attention.py)")
     print(f"{torch.cuda.get_device_name()} | batch {a.batch}, {a.heads} heads of {a.head_dim}")
     print(f"{'dtype':5s} {'N':>6s} {'kernel ms':>9s} {'eager ms':>9s} {'flash ms':>9s} {'memcpy ms':>9s} "
           f"{'flash/kernel':>12s} {'kernel/memcpy':>13s} {'kernel MiB':>10s} {'flash MiB':>9s}")
+    rows = []
     for name in a.dtype:
-        dt = DTYPES[name]
         for n in a.ns:
-            g = torch.Generator(device=dev).manual_seed(0)
-            shape = (a.batch, a.heads, n, a.head_dim)
-            q, k, v = (torch.randn(shape, generator=g, device=dev, dtype=dt) for _ in range(3))
-            m = torch.full((a.heads, 1, 1), 0.8, device=dev)
-            rho = torch.full((a.heads, 1, 1), 50.0, device=dev)
-            buf = torch.empty(4 * q.numel(), device=dev, dtype=dt)
-            src = torch.cat([q.flatten(), k.flatten(), v.flatten(), v.flatten()])
-
-            def eager():
-                return K.fused_latte_attention(q, k, v, m, rho)
-
-            def latte():
-                return T.triton_latte_attention(q, k, v, m, rho)
-
-            err = (latte().float() - eager().float()).abs().max().item()
-            if err > 5e-2:
-                raise SystemExit(f"the Triton kernel differs from the eager path by {err} at N={n} ({name})")
-
-            def flash():
-                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-
-            try:
-                flash()
-                t_flash = cuda_time(flash, a.reps)
-                m_flash = peak(flash)
-            except RuntimeError as e:  # fp32, or a head size flash does not take
-                t_flash, m_flash = float("nan"), 0
-                print(f"  (flash unavailable for {name}: {str(e).splitlines()[0]})")
-            t_latte = cuda_time(latte, a.reps)
-            t_eager = cuda_time(eager, a.reps)
-            m_latte = peak(latte)
-            t_copy = cuda_time(lambda: buf.copy_(src), a.reps)
-            row = dict(dtype=name, n=n, kernel_ms=t_latte, eager_ms=t_eager, flash_ms=t_flash, memcpy_ms=t_copy,
-                       speedup=t_flash / t_latte, roofline=t_latte / t_copy, max_abs_diff_vs_eager=err,
-                       kernel_mib=m_latte / 2**20, flash_mib=m_flash / 2**20)
+            row = measure_point(a, name, n)
             rows.append(row)
-            print(f"{name:5s} {n:6d} {t_latte:9.3f} {t_eager:9.3f} {t_flash:9.3f} {t_copy:9.3f} {row['speedup']:11.2f}x "
-                  f"{row['roofline']:13.1f} {row['kernel_mib']:10.1f} {row['flash_mib']:9.1f}")
-            del q, k, v, buf, src
+            print(f"{name:5s} {n:6d} {row['kernel_ms']:9.3f} {row['eager_ms']:9.3f} {row['flash_ms']:9.3f} "
+                  f"{row['memcpy_ms']:9.3f} {row['speedup']:11.2f}x {row['roofline']:13.1f} {row['kernel_mib']:10.1f} "
+                  f"{row['flash_mib']:9.1f}")
             torch.cuda.empty_cache()
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY_CFG, require, tiny_cfg
+from tests.conftest import ROOT, require, tiny_cfg
 
 require("mmcv.ops")
 require("mmdet.models")

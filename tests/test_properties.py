@@ -1,5 +1,4 @@
 """Property tests (hypothesis) over shapes, scales, dtypes and masks, on every variant."""
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

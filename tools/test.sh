@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The README's test command: sets up (or reuses) the environment, then runs the suite.
+# The README's test command: sets up (or reuses) the environment, runs the linter, then the suite.
 #   bash tools/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="$(bash tools/setup_env.sh | tail -n 1)"
 export PYTHONHASHSEED=0
+# the linter first (ruff.toml: unused imports, undefined names, syntax): seconds, and a defect it finds fails CI
+"$venv/bin/python" -m ruff check --quiet . || { echo "ruff check failed (ruff.toml): fix the lines above"; exit 1; }
 exec "$venv/bin/python" -m pytest tests "$@"
