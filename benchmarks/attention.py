@@ -58,7 +58,7 @@ def peak_mem(fn) -> Optional[int]:
     return torch.cuda.max_memory_allocated() - base
 
 
-def main(argv=None) -> list[dict]:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ns", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
@@ -70,81 +70,80 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the fused path")
     p.add_argument("--json")
     p.add_argument("--plot")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def measure_point(a: argparse.Namespace, dname: str, n: int) -> dict:
+    """One dtype and token count: LATTE's fused path (and its compiled form), SDPA, the naive
+    reference and a memcpy of the same bytes, side by side, best of ``a.reps``."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, a.heads, n, a.head_dim, generator=g).to(a.device, DTYPES[dname]) for _ in range(3))
+    m, rho = torch.tensor(0.6, device=a.device), 4.0
+    compiled = K.compiled_fused_latte_attention() if a.compile else None
+    src = torch.cat([q, k, v, v]).contiguous()
+    dst = torch.empty_like(src)
+    fns = {"latte": lambda: K.fused_latte_attention(q, k, v, m, rho),  # what a calibrated 'latte' layer runs
+           "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+           "memcpy": lambda: dst.copy_(src)}
+    sync = (lambda: torch.cuda.synchronize()) if a.device.startswith("cuda") else (lambda: None)
+    nan = float("nan")
+    with torch.no_grad():
+        t = {name: best_time(lambda f=f: (f(), sync()), a.reps) for name, f in fns.items()}
+        t["naive"] = best_time(lambda: (K.naive_softmax_attention(q, k, v), sync()), a.reps) if n <= a.naive_max else nan
+        t["compiled"] = best_time(lambda: (compiled(q, k, v, m, rho), sync()), a.reps) if a.compile else nan
+        mem = {"latte": peak_mem(fns["latte"]), "sdpa": peak_mem(fns["sdpa"])}
+    fl = exact_attention_flops(n, n, a.head_dim, a.head_dim, a.heads) / linear_attention_flops(
+        n, n, a.head_dim, a.head_dim, a.heads)
+    return dict(dtype=dname, n=n, latte_ms=1e3 * t["latte"], sdpa_ms=1e3 * t["sdpa"],
+                naive_ms=1e3 * t["naive"], memcpy_ms=1e3 * t["memcpy"],
+                speedup_vs_sdpa=t["sdpa"] / t["latte"], latte_over_memcpy=t["latte"] / t["memcpy"],
+                flop_ratio=fl, peak_bytes_latte=mem["latte"], peak_bytes_sdpa=mem["sdpa"],
+                compiled_ms=1e3 * t["compiled"], speedup_compiled_vs_sdpa=t["sdpa"] / t["compiled"],
+                compiled_over_memcpy=t["compiled"] / t["memcpy"])
+
+
+def plot(rows: list[dict], a: argparse.Namespace) -> None:
+    """Latency against N, log-log, per dtype: LATTE, SDPA and the memcpy floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for dname in a.dtype:
+        rs = [r for r in rows if r["dtype"] == dname]
+        for key, style in (("latte_ms", "-o"), ("sdpa_ms", "--s"), ("memcpy_ms", ":")):
+            ax.plot([r["n"] for r in rs], [r[key] for r in rs], style, label=f"{key[:-3]} {dname}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens N")
+    ax.set_ylabel("ms (best of reps)")
+    ax.set_title(f"attention latency, {a.heads}x{a.head_dim}, {a.device}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(a.plot, dpi=110)
+
+
+def main(argv=None) -> list[dict]:
+    a = parse_args(argv)
     rows = []
     print(f"device={a.device} threads={torch.get_num_threads()} heads={a.heads} head_dim={a.head_dim}")
     print(f"{'dtype':5s} {'N':>6s} {'latte ms':>9s} {'sdpa ms':>9s} {'naive ms':>9s} {'memcpy ms':>9s} "
           f"{'sdpa/latte':>10s} {'latte/memcpy':>12s} {'FLOP ratio':>10s} {'compiled ms':>11s} {'sdpa/comp.':>10s} "
           f"{'comp./memcpy':>12s}")
     for dname in a.dtype:
-        dt = DTYPES[dname]
         for n in a.ns:
-            g = torch.Generator(device="cpu").manual_seed(0)
-            q, k, v = (torch.randn(1, a.heads, n, a.head_dim, generator=g).to(a.device, dt) for _ in range(3))
-            m, rho = torch.tensor(0.6, device=a.device), 4.0
-
-            def latte():  # what a calibrated 'latte' layer runs (LatteParams.linear)
-                return K.fused_latte_attention(q, k, v, m, rho)
-
-            compiled = K.compiled_fused_latte_attention() if a.compile else None
-
-            def latte_compiled():
-                return compiled(q, k, v, m, rho)
-
-            def sdpa():
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-
-            def naive():
-                return K.naive_softmax_attention(q, k, v)
-
-            src = torch.cat([q, k, v, v]).contiguous()
-            dst = torch.empty_like(src)
-
-            def memcpy():
-                dst.copy_(src)
-
-            sync = (lambda: torch.cuda.synchronize()) if a.device.startswith("cuda") else (lambda: None)
-            with torch.no_grad():
-                t = {name: best_time(lambda f=f: (f(), sync()), a.reps)
-                     for name, f in (("latte", latte), ("sdpa", sdpa), ("memcpy", memcpy))}
-                t["naive"] = best_time(lambda: (naive(), sync()), a.reps) if n <= a.naive_max else float("nan")
-                t["compiled"] = best_time(lambda: (latte_compiled(), sync()), a.reps) if a.compile else float("nan")
-                mem = {"latte": peak_mem(latte), "sdpa": peak_mem(sdpa)}
-            fl = exact_attention_flops(n, n, a.head_dim, a.head_dim, a.heads) / linear_attention_flops(
-                n, n, a.head_dim, a.head_dim, a.heads)
-            row = dict(dtype=dname, n=n, latte_ms=1e3 * t["latte"], sdpa_ms=1e3 * t["sdpa"],
-                       naive_ms=1e3 * t["naive"], memcpy_ms=1e3 * t["memcpy"],
-                       speedup_vs_sdpa=t["sdpa"] / t["latte"], latte_over_memcpy=t["latte"] / t["memcpy"],
-                       flop_ratio=fl, peak_bytes_latte=mem["latte"], peak_bytes_sdpa=mem["sdpa"],
-                       compiled_ms=1e3 * t["compiled"], speedup_compiled_vs_sdpa=t["sdpa"] / t["compiled"],
-                       compiled_over_memcpy=t["compiled"] / t["memcpy"])
+            row = measure_point(a, dname, n)
             rows.append(row)
             print(f"{dname:5s} {n:6d} {row['latte_ms']:9.3f} {row['sdpa_ms']:9.3f} {row['naive_ms']:9.3f} "
                   f"{row['memcpy_ms']:9.3f} {row['speedup_vs_sdpa']:10.2f} {row['latte_over_memcpy']:12.1f} "
-                  f"{fl:10.1f} {row['compiled_ms']:11.3f} {row['speedup_compiled_vs_sdpa']:10.2f} "
+                  f"{row['flop_ratio']:10.1f} {row['compiled_ms']:11.3f} {row['speedup_compiled_vs_sdpa']:10.2f} "
                   f"{row['compiled_over_memcpy']:12.1f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": a.device, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
     if a.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for dname in a.dtype:
-            rs = [r for r in rows if r["dtype"] == dname]
-            for key, style in (("latte_ms", "-o"), ("sdpa_ms", "--s"), ("memcpy_ms", ":")):
-                ax.plot([r["n"] for r in rs], [r[key] for r in rs], style, label=f"{key[:-3]} {dname}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens N")
-        ax.set_ylabel("ms (best of reps)")
-        ax.set_title(f"attention latency, {a.heads}x{a.head_dim}, {a.device}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=110)
+        plot(rows, a)
     return rows
 
 

@@ -109,19 +109,50 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
 
 
 def run(a: argparse.Namespace) -> dict:
+    """Builds the Runner (without the hook: this job calibrates row by row), runs the rows and
+    writes the report, the results file and the plots."""
+    from latte_plugin.core.io import atomic_write_json
+    from latte_plugin.mmdet.workflow import save_calibrated_checkpoint
+    from latte_plugin.viz import plot_kept, plot_sensitivity
+    from main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
 
+    t0 = time.time()
+    runner, base, batches = build(a)
+    rows = [r for r in ROWS if not a.rows or r.name in a.rows]
+    ckpt_path = os.path.join(a.work_dir, CKPT_NAME)
+    default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(
+        (r.name for r in rows if r.kind == "latte"), None)
+    # rows with the default's settings are calibrated once, under the first such row's name
+    saved_as = next((r.name for r in rows if default and row_key(base, r) == row_key(
+        base, next(x for x in rows if x.name == default))), None)
+
+    def on_calibrated(name: str, rep: dict) -> None:
+        if name == saved_as:
+            save_calibrated_checkpoint(runner.model, rep, ckpt_path)
+
+    out = run_rows(runner, batches, base, rows, on_calibrated=on_calibrated)
+    report = assemble_report(out["rows"], out["reports"], rows, default, a, t0)
+    atomic_write_json(report, os.path.join(a.work_dir, REPORT_NAME))
+    if a.results:
+        atomic_write_json(results_file(report, a), a.results)
+    if "latte" in out["reports"]:  # the paper's score, per layer
+        plot_sensitivity(out["reports"]["latte"], os.path.join(a.work_dir, "latte_sensitivity.png"))
+    plot_kept(report["metrics"], os.path.join(a.work_dir, "latte_kept.png"))
+    report["_table_rows"] = out["rows"]
+    return report
+
+
+def build(a: argparse.Namespace):
+    """``(runner, base settings, calibration batches)``: the config's Runner without its
+    LinearizeHook, LATTE cores installed, the checkpoint checked (keys and shapes) and loaded."""
     from mmengine.config import Config
     from mmengine.runner import Runner
 
-    from latte_plugin.core.settings import LatteConfig
-    from latte_plugin.core.io import atomic_write_json, check_checkpoint
     from latte_plugin.adapter import take_batches
+    from latte_plugin.core.io import check_checkpoint
+    from latte_plugin.core.settings import LatteConfig
     from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader, linearize_model
-    from main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
-    from latte_plugin.mmdet.workflow import save_calibrated_checkpoint
-    from latte_plugin.viz import plot_kept, plot_sensitivity
 
-    t0 = time.time()
     cfg = Config.fromfile(a.config)
     if a.data_root:
         use_data_root(cfg, a.data_root)
@@ -134,7 +165,6 @@ def run(a: argparse.Namespace) -> dict:
     if a.num_images:
         hook["num_images"] = a.num_images
     base = LatteConfig.from_dict(hook)
-    # This job drives calibration itself, row by row: build the Runner without the hook.
     cfg.custom_hooks = [h for h in cfg.get("custom_hooks", []) if h.get("type") != "LinearizeHook"]
     cfg.work_dir = a.work_dir
     cfg.load_from = None if a.checkpoint == "none" else a.checkpoint
@@ -145,21 +175,11 @@ def run(a: argparse.Namespace) -> dict:
         check_checkpoint(runner.model, cfg.load_from, "a checkpoint of this config")  # keys and shapes
     runner.load_or_resume()
     batches, _ = take_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images, (0, 1), ADAPTER)
-    rows = [r for r in ROWS if not a.rows or r.name in a.rows]
-    ckpt_path = os.path.join(a.work_dir, CKPT_NAME)
-    default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(
-        (r.name for r in rows if r.kind == "latte"), None)
+    return runner, base, batches
 
-    # rows with the default's settings are calibrated once, under the first such row's name
-    saved_as = next((r.name for r in rows if default and row_key(base, r) == row_key(
-        base, next(x for x in rows if x.name == default))), None)
 
-    def on_calibrated(name: str, rep: dict) -> None:
-        if name == saved_as:
-            save_calibrated_checkpoint(runner.model, rep, ckpt_path)
-
-    out = run_rows(runner, batches, base, rows, on_calibrated=on_calibrated)
-    res, reps = out["rows"], out["reports"]
+def assemble_report(res: dict, reps: dict, rows: list, default, a: argparse.Namespace, t0: float) -> dict:
+    """The job's report: the default row's calibration report, every row's metrics and choices."""
     report: dict = {}
     if default in reps:
         report["default_row"] = default
@@ -179,17 +199,7 @@ def run(a: argparse.Namespace) -> dict:
                       for r in rows}
     report["row_reports"] = {k: {kk: v[kk] for kk in ("sensitivity", "linearized", "params", "fit", "selection")}
                              for k, v in reps.items()}
-    report["config"] = a.config
-    report["checkpoint"] = a.checkpoint
-    report["seconds"] = time.time() - t0
-    path = os.path.join(a.work_dir, REPORT_NAME)
-    atomic_write_json(report, path)
-    if a.results:
-        atomic_write_json(results_file(report, a), a.results)
-    if "latte" in reps:  # the paper's score, per layer
-        plot_sensitivity(reps["latte"], os.path.join(a.work_dir, "latte_sensitivity.png"))
-    plot_kept(metrics, os.path.join(a.work_dir, "latte_kept.png"))
-    report["_table_rows"] = res
+    report.update(config=a.config, checkpoint=a.checkpoint, seconds=time.time() - t0)
     return report
 
 

@@ -22,7 +22,8 @@ from latte_plugin.core.layer import find_latte_layers, set_modes
 from latte_plugin.mmdet.calibrate import calibrate_detector, detector_forward, unwrap
 from latte_plugin.mmdet.workflow import evaluate_bbox
 
-__all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "run_rows", "encoder_latency", "latency_modules"]
+__all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "run_rows", "run_row", "row_fits", "encoder_latency",
+           "latency_modules"]
 
 
 @dataclasses.dataclass
@@ -140,12 +141,8 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
     model.eval()
     rows = rows or ROWS
     results, reports = {}, {}
-    timing_batch = batches[0]
     done: dict[str, str] = {}  # effective settings -> first row that ran them
     for row in rows:
-        t0 = time.time()
-        cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
-        layers = find_latte_layers(model)
         key = row_key(base, row)
         if key in done:  # same effective settings as an earlier row (e.g. a default spelled out)
             results[row.name] = copy.deepcopy(results[done[key]])
@@ -155,41 +152,59 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
             continue
         done[key] = row.name
         set_label(row.name)
-        t_cal = 0.0
-        if row.kind == "latte":
-            t_cal = time.time()
-            rep = calibrate_detector(model, batches, cfg)
-            t_cal = time.time() - t_cal
-            reports[row.name] = rep
-            if on_calibrated is not None:
-                on_calibrated(row.name, rep)
-            linear = rep["linearized"]
-        else:
-            linear = list(layers) if row.kind == "uniform" else []
-        mode = "uniform" if row.kind == "uniform" else cfg.mode
-        set_modes(layers, [], "exact")
-        t_exact = encoder_latency(model, timing_batch, timing_reps)
-        set_modes(layers, linear, mode)
-        t_row = encoder_latency(model, timing_batch, timing_reps)
-        metrics = evaluate_bbox(runner, linear, mode)
-        rep = reports.get(row.name, {})
-        held = [f.get("heldout_mse") for f in row_fits(rep) if f.get("heldout_mse") is not None]
-        results[row.name] = {
-            **metrics,
-            # chosen on held-out calibration images, never on val: output distortion of the
-            # chosen hybrid and the mean per-layer reconstruction error
-            "heldout_distortion": rep.get("selection", {}).get("heldout_distortion"),
-            "heldout_fidelity": rep.get("selection", {}).get("heldout", {}).get("fidelity"),
-            "heldout_mse": sum(held) / len(held) if held else None,
-            "linear": f"{len(linear)}/{len(layers)}",
-            "linearized": list(linear),
-            "encoder_latency_ratio": t_exact / t_row,
-            "calibration_seconds": t_cal,
-            "seconds": time.time() - t0,
-        }
-        say(f"[latte] {row.name:25s} {results[row.name]['linear']:>5s} linear  bbox_mAP {metrics['bbox_mAP']:.4f}  "
-            f"({time.time() - t0:.0f} s)")
-    # GFLOPs per row from the token counts the calibration measured (self-attention: M = N).
+        results[row.name] = run_row(runner, batches, base, row, reports, timing_reps, on_calibrated)
+    add_gflops_and_kept(results, reports, rows, model)
+    return {"rows": results, "reports": reports}
+
+
+def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, timing_reps: int,
+            on_calibrated: Optional[Callable[[str, dict], None]]) -> dict:
+    """One row: calibrate (LATTE rows; the report goes to ``reports``), time the encoder against
+    the exact model's on the same batch, and evaluate with the Runner's own test loop."""
+    t0 = time.time()
+    model = unwrap(runner.model)
+    cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
+    layers = find_latte_layers(model)
+    t_cal = 0.0
+    if row.kind == "latte":
+        t_cal = time.time()
+        rep = calibrate_detector(model, batches, cfg)
+        t_cal = time.time() - t_cal
+        reports[row.name] = rep
+        if on_calibrated is not None:
+            on_calibrated(row.name, rep)
+        linear = rep["linearized"]
+    else:
+        linear = list(layers) if row.kind == "uniform" else []
+    mode = "uniform" if row.kind == "uniform" else cfg.mode
+    set_modes(layers, [], "exact")
+    t_exact = encoder_latency(model, batches[0], timing_reps)
+    set_modes(layers, linear, mode)
+    t_row = encoder_latency(model, batches[0], timing_reps)
+    metrics = evaluate_bbox(runner, linear, mode)
+    rep = reports.get(row.name, {})
+    held = [f.get("heldout_mse") for f in row_fits(rep) if f.get("heldout_mse") is not None]
+    result = {
+        **metrics,
+        # chosen on held-out calibration images, never on val: output distortion of the
+        # chosen hybrid and the mean per-layer reconstruction error
+        "heldout_distortion": rep.get("selection", {}).get("heldout_distortion"),
+        "heldout_fidelity": rep.get("selection", {}).get("heldout", {}).get("fidelity"),
+        "heldout_mse": sum(held) / len(held) if held else None,
+        "linear": f"{len(linear)}/{len(layers)}",
+        "linearized": list(linear),
+        "encoder_latency_ratio": t_exact / t_row,
+        "calibration_seconds": t_cal,
+        "seconds": time.time() - t0,
+    }
+    say(f"[latte] {row.name:25s} {result['linear']:>5s} linear  bbox_mAP {metrics['bbox_mAP']:.4f}  "
+        f"({time.time() - t0:.0f} s)")
+    return result
+
+
+def add_gflops_and_kept(results: dict, reports: dict, rows: list, model) -> None:
+    """Each row's attention GFLOPs (from the token counts calibration measured; self-attention:
+    M = N) and the share of the exact mAP it keeps, in place."""
     shapes = next(iter(reports.values()))["tokens"] if reports else {}
     pairs = {n: (t, t) for n, t in shapes.items()}
     layers = find_latte_layers(model)
@@ -199,7 +214,6 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
         mode = "uniform" if row.kind == "uniform" else "linear"
         r["attention_gflops"] = attention_gflops(pairs, layers, r["linearized"], mode) if shapes else float("nan")
         r["retained"] = r["bbox_mAP"] / exact_map if exact_map and exact_map > 0 else float("nan")
-    return {"rows": results, "reports": reports}
 
 
 def row_fits(rep: dict) -> list[dict]:
