@@ -28,12 +28,12 @@ from torch import nn
 
 from .console import progress as console_progress
 from .core.fidelity import DetectionDisagreement
-from .core.settings import LatteConfig
+from .core.settings import LatteConfig, apply_inference_settings, needs_calibration
 from .core.flow import calibrate_model
 from .core.layer import match_candidates
 from .core.mha import swap_mha
 
-__all__ = ["Adapter", "TorchAdapter", "calibrate", "take_batches", "swap_attention", "default_forward",
+__all__ = ["Adapter", "TorchAdapter", "calibrate", "ensure_calibrated", "take_batches", "swap_attention", "default_forward",
            "format_layer_table"]
 
 
@@ -186,6 +186,29 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
                              fidelity=DetectionDisagreement(detect) if detect is not None else None)
     adapter.log("[latte] per-layer calibration:\n" + format_layer_table(report))
     return report
+
+
+def ensure_calibrated(adapter: Adapter, model: nn.Module, cfg: LatteConfig,
+                      data: "Iterable | Callable[[], Iterable]") -> Optional[dict]:
+    """The one calibrate-or-not decision every entry point takes when a model is built or loaded.
+
+    Installs LATTE in the candidates (once: idempotent), then either calibrates (when
+    :func:`~latte_plugin.core.settings.needs_calibration` says so under ``cfg.calibrate``) or
+    applies the inference-time settings (``mode``, ``threshold``) to the loaded calibration.
+
+    Args:
+        adapter: the framework's :class:`Adapter`. model: wrapped or not. cfg: the settings.
+        data: the calibration data, or a function that builds it (only called when calibrating).
+
+    Returns:
+        The calibration report, or ``None`` when a loaded calibration was kept.
+    """
+    bare = adapter.unwrap(model)
+    swap_attention(bare, cfg.candidates, cfg.variant)
+    if not needs_calibration(bare, cfg.calibrate):
+        apply_inference_settings(bare, cfg, adapter.log)
+        return None
+    return calibrate(adapter, model, data() if callable(data) else data, cfg)
 
 
 def format_layer_table(report: dict) -> str:

@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from .adapter import TorchAdapter, calibrate, default_forward, swap_attention
-from .core.settings import LatteConfig, apply_inference_settings, needs_calibration
+from .adapter import TorchAdapter, default_forward, ensure_calibrated, swap_attention
+from .core.settings import LatteConfig
 
 __all__ = ["swap_attention", "linearize", "default_forward"]
 
@@ -67,9 +67,5 @@ def linearize(
         ValueError: unknown setting, a pattern matching nothing, an empty calibration set.
     """
     cfg = LatteConfig.from_dict(dict(candidates=list(candidates), ratio=ratio, variant=variant, **settings))
-    swap_attention(model, cfg.candidates, cfg.variant)
-    if not needs_calibration(model, cfg.calibrate):  # calibrate='auto' on a calibrated model: keep its state
-        apply_inference_settings(model, cfg, log)  # but mode and threshold apply now
-        return model, None
-    adapter = TorchAdapter(forward, all_reduce, log, progress)
-    return model, calibrate(adapter, model, calib_batches, cfg)
+    # calibrate='auto' on a calibrated model keeps its state (mode and threshold still apply)
+    return model, ensure_calibrated(TorchAdapter(forward, all_reduce, log, progress), model, cfg, calib_batches)

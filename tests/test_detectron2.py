@@ -269,3 +269,25 @@ def test_meta_arch_and_hook_apply_mode_and_threshold_to_a_loaded_calibration(syn
     layers = find_latte_layers(other)
     assert sorted(n for n, l in layers.items() if l.mode == "dynamic") == linear
     assert all(int(l.threshold) == 5 for l in layers.values())
+
+
+def test_both_hooks_take_the_same_options_and_write_the_report(synthetic_data, tmp_path):
+    """detectron2's hook takes LatteConfig fields as keywords, as mmdet's does, and after a
+    calibration writes latte_report.json to its work_dir."""
+    import inspect
+
+    from detectron2.config import instantiate
+    from detectron2.engine import SimpleTrainer
+
+    from latte_plugin.mmdet import LinearizeHook as MMDetHook
+
+    assert "candidates" in inspect.signature(MMDetHook).parameters
+    cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never")
+    model = instantiate(cfg.model)
+    trainer = SimpleTrainer(model, instantiate(cfg.dataloader.train), torch.optim.SGD(model.parameters(), lr=0.0))
+    hook = d2p.LinearizeHook(candidates=["encoder.layers.*.self_attn"], num_images=2, steps=1, greedy_images=1,
+                             work_dir=str(tmp_path))
+    trainer.register_hooks([hook])
+    hook.before_train()
+    saved = json.load(open(tmp_path / "latte_report.json"))
+    assert saved["linearized"] == hook.report["linearized"] and len(saved["linearized"]) == 4

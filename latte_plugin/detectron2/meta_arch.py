@@ -30,9 +30,9 @@ from torch import nn
 from detectron2.modeling import META_ARCH_REGISTRY
 from detectron2.structures import Boxes, Instances
 
-from ..adapter import swap_attention
-from ..core.settings import LatteConfig, apply_inference_settings, needs_calibration
+from ..adapter import ensure_calibrated, swap_attention
 from ..core.layer import find_latte_layers
+from ..core.settings import LatteConfig
 from ..core.io import CheckpointError, key_mismatch, mismatch_message
 from ..hf.rtdetr import build_rtdetr, rtdetr_postprocess, rtdetr_targets
 
@@ -122,23 +122,24 @@ class LatteMetaArch(nn.Module):
         return loader
 
     def _maybe_calibrate(self) -> None:
+        """At the first evaluation forward: calibrate from ``calibration_loader``, or keep a loaded
+        calibration with the inference-time settings applied (``ensure_calibrated``)."""
         if self.latte_cfg is None or self._calibrated_here or not find_latte_layers(self):
             return
-        if not needs_calibration(self, self.latte_cfg.calibrate):  # loaded: mode and threshold apply now
-            apply_inference_settings(self, self.latte_cfg, logger.info)
-            self._calibrated_here = True
-            return
+        from .calibrate import ADAPTER
+
+        was_training = self.training
+        ensure_calibrated(ADAPTER, self, self.latte_cfg, self._required_loader)
+        self._calibrated_here = True
+        self.train(was_training)
+
+    def _required_loader(self) -> Any:
         loader = self.calibration_loader()
         if loader is None:
             raise ValueError("LATTE layers are not calibrated and the model has no calibration_loader: give "
                              "model.calibration_loader, load a calibrated checkpoint, or set model.latte.calibrate='never'")
-        from .calibrate import calibrate_detector
-
         logger.info("[latte] calibrating the LATTE layers on the train split now")
-        was_training = self.training
-        calibrate_detector(self, loader, self.latte_cfg)
-        self._calibrated_here = True
-        self.train(was_training)
+        return loader
 
 
 @META_ARCH_REGISTRY.register()

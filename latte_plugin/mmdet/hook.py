@@ -9,10 +9,11 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmdet.registry import HOOKS
 
-from ..core.settings import LatteConfig, apply_inference_settings, needs_calibration
+from ..adapter import ensure_calibrated
 from ..core.layer import find_latte_layers
+from ..core.settings import LatteConfig
 from ..core.io import REPORT_NAME, atomic_write_json, check_keys, check_readable
-from .calibrate import build_calibration_loader, calibrate_detector, linearize_model, unwrap
+from .calibrate import ADAPTER, build_calibration_loader, calibrate_detector, linearize_model, unwrap
 
 __all__ = ["LinearizeHook"]
 
@@ -109,21 +110,22 @@ class LinearizeHook(Hook):
     before_test_iter = before_val_iter
 
     def _ensure_calibrated(self, runner) -> None:
-        linearize_model(runner.model, self.latte_cfg)
-        if needs_calibration(unwrap(runner.model), self.calibrate):
-            self.run_calibration(runner)
-        else:  # mode and threshold apply to a loaded calibration too
-            apply_inference_settings(unwrap(runner.model), self.latte_cfg, lambda line: print_log(line, logger="current"))
+        self._finish(runner, ensure_calibrated(ADAPTER, runner.model, self.latte_cfg, lambda: self._loader(runner)))
 
     def run_calibration(self, runner) -> dict:
-        """Calibrates now (the plain functions do the work) and writes the report."""
-        loader = build_calibration_loader(
-            runner.cfg, self.calib_batch_size, self.calib_pipeline, seed=self.latte_cfg.seed
-        )
-        self.report = calibrate_detector(runner.model, loader, self.latte_cfg)
-        if is_main_process():
-            atomic_write_json(self.report, os.path.join(runner.work_dir, REPORT_NAME))
-        return self.report
+        """Calibrates now, whatever the model holds (the plain functions do the work), and writes the report."""
+        return self._finish(runner, calibrate_detector(runner.model, self._loader(runner), self.latte_cfg))
+
+    def _loader(self, runner):
+        return build_calibration_loader(runner.cfg, self.calib_batch_size, self.calib_pipeline, seed=self.latte_cfg.seed)
+
+    def _finish(self, runner, report: Optional[dict]) -> Optional[dict]:
+        """After a calibration: keep the report and write it to the work dir (main process)."""
+        if report is not None:
+            self.report = report
+            if is_main_process():
+                atomic_write_json(report, os.path.join(runner.work_dir, REPORT_NAME))
+        return report
 
     @staticmethod
     def find(runner) -> Optional["LinearizeHook"]:
