@@ -49,32 +49,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_runner(args: argparse.Namespace):
-    """The config's Runner with the checkpoint loaded: LATTE state from it, never recalibrated."""
-    from mmengine.runner import Runner
+    """The config's Runner with the checkpoint checked (keys and shapes) and loaded: LATTE state
+    from it, never recalibrated (``--exact``: the original attention modules, LATTE's buffers ignored)."""
+    from latte_plugin.mmdet.workflow import drop_linearize_hook, load_config, runner_with_checkpoint, set_linearize_hook
 
-    from latte_plugin.core.io import check_checkpoint, check_readable
-    from latte_plugin.mmdet.workflow import load_config
-
-    check_readable(args.checkpoint)
     cfg = load_config(args.config, args.cfg_options)
-    hooks = [h for h in cfg.get("custom_hooks", []) or [] if h.get("type") == "LinearizeHook"]
-    for hook in hooks:
-        hook["calibrate"] = "never"
-    if args.exact:  # the original attention modules: LATTE's buffers in the checkpoint are ignored
-        cfg.custom_hooks = [h for h in cfg.get("custom_hooks", []) or [] if h.get("type") != "LinearizeHook"]
-    cfg.load_from = args.checkpoint
+    if args.exact:
+        drop_linearize_hook(cfg)
+    else:
+        set_linearize_hook(cfg, args.config, calibrate="never")
     cfg.work_dir = args.work_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "export_work")
     cfg.default_hooks.checkpoint = None
     cfg.test_dataloader.batch_size = 1  # one image at a time, as the graph takes it
-    runner = Runner.from_cfg(cfg)
-    from latte_plugin.mmdet import LinearizeHook
-
-    hook = LinearizeHook.find(runner)
-    if hook is not None:
-        hook.before_run(runner)  # LATTE layers in place before the checkpoint restores their state
-    check_checkpoint(runner.model, args.checkpoint, "a checkpoint of this config")  # keys and shapes, both modes
-    runner.load_or_resume()
-    return runner
+    return runner_with_checkpoint(cfg, args.checkpoint)
 
 
 def example_input(runner, shape):
@@ -150,7 +137,7 @@ def main(argv=None) -> dict:
     with quiet(os.path.join(os.path.dirname(os.path.abspath(args.out)), "export_onnx.log")):
         try:
             runner = build_runner(args)
-        except CheckpointError as e:  # one line that names the file and says what to do
+        except (CheckpointError, ValueError) as e:  # one line that names the file (or the config) and what to do
             raise SystemExit(f"error: {e}") from None
         result = export(args, runner)
         say(f"[latte] wrote {result['onnx']} ({len(result['linear'])} linear layers; onnxruntime vs torch on the "

@@ -11,7 +11,6 @@ and ``latte_kept.png``, and prints the table.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
@@ -144,36 +143,28 @@ def run(a: argparse.Namespace) -> dict:
 
 def build(a: argparse.Namespace):
     """``(runner, base settings, calibration batches)``: the config's Runner without its
-    LinearizeHook, LATTE cores installed, the checkpoint checked (keys and shapes) and loaded."""
+    LinearizeHook (this job calibrates row by row), LATTE cores installed, the checkpoint
+    checked (keys and shapes) and loaded."""
     from mmengine.config import Config
-    from mmengine.runner import Runner
 
     from latte_plugin.adapter import take_batches
-    from latte_plugin.core.io import check_checkpoint
-    from latte_plugin.core.settings import LatteConfig
-    from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader, linearize_model
+    from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader
+    from latte_plugin.mmdet.workflow import drop_linearize_hook, hook_latte_settings, runner_with_checkpoint
 
     cfg = Config.fromfile(a.config)
     if a.data_root:
         use_data_root(cfg, a.data_root)
-    hooks = [h for h in cfg.get("custom_hooks", []) if h.get("type") == "LinearizeHook"]
-    if not hooks:
-        raise SystemExit(f"{a.config} has no LinearizeHook in custom_hooks")
-    hook = copy.deepcopy(hooks[0])
-    for k in ("type", "calibrate", "calib_pipeline", "calib_batch_size", "priority", "allow_partial_load"):
-        hook.pop(k, None)
+    try:
+        base = hook_latte_settings(cfg, a.config)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if a.num_images:
-        hook["num_images"] = a.num_images
-    base = LatteConfig.from_dict(hook)
-    cfg.custom_hooks = [h for h in cfg.get("custom_hooks", []) if h.get("type") != "LinearizeHook"]
+        base.num_images = a.num_images
+    drop_linearize_hook(cfg)
+    cfg.load_from = None  # only --checkpoint ('none': the init weights)
     cfg.work_dir = a.work_dir
-    cfg.load_from = None if a.checkpoint == "none" else a.checkpoint
     cfg.default_hooks.checkpoint = None
-    runner = Runner.from_cfg(cfg)
-    linearize_model(runner.model, base)
-    if cfg.load_from:
-        check_checkpoint(runner.model, cfg.load_from, "a checkpoint of this config")  # keys and shapes
-    runner.load_or_resume()
+    runner = runner_with_checkpoint(cfg, None if a.checkpoint == "none" else a.checkpoint, latte=base)
     batches, _ = take_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images, (0, 1), ADAPTER)
     return runner, base, batches
 

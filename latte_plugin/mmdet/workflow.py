@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from ..artifacts import write_artifacts
 from ..core.layer import find_latte_layers, set_modes
-from ..core.io import check_readable, save_calibrated_checkpoint as save_bare
-from .calibrate import unwrap
+from ..core.io import check_checkpoint, check_readable, save_calibrated_checkpoint as save_bare
+from .calibrate import linearize_model, unwrap
 
-__all__ = ["run_calibration", "evaluate_bbox", "save_calibrated_checkpoint", "load_config"]
+if TYPE_CHECKING:
+    from ..core.settings import LatteConfig
+
+__all__ = ["run_calibration", "evaluate_bbox", "save_calibrated_checkpoint", "load_config", "set_linearize_hook",
+           "hook_latte_settings", "drop_linearize_hook", "runner_with_checkpoint"]
 
 
 def _bbox(metrics: dict) -> dict:
@@ -50,18 +54,65 @@ def load_config(config: str, cfg_options: Sequence[str] = ()):
     return cfg
 
 
-def _set_hook(cfg, config: str, overrides: Optional[dict], allow_partial_load: bool) -> None:
-    """The config's LinearizeHook with ``overrides``, set to calibrate now."""
+def _hook_index(cfg, config: str) -> int:
     from .hook import LinearizeHook
 
     hooks = list(cfg.get("custom_hooks", []) or [])
     idx = [i for i, h in enumerate(hooks) if h.get("type") in ("LinearizeHook", LinearizeHook)]
     if not idx:
         raise ValueError(f"{config} has no LinearizeHook in custom_hooks; inherit a latte config or add one")
-    hook_cfg = copy.deepcopy(hooks[idx[0]])
-    hook_cfg.update(overrides or {}, calibrate="always", allow_partial_load=bool(allow_partial_load))
-    hooks[idx[0]] = hook_cfg
+    return idx[0]
+
+
+def set_linearize_hook(cfg, config: str, **changes) -> dict:
+    """Updates the config's ``LinearizeHook`` entry with ``changes``; returns the entry.
+
+    Raises:
+        ValueError: the config has no ``LinearizeHook`` (one line naming ``config``).
+    """
+    hooks = list(cfg.get("custom_hooks", []) or [])
+    i = _hook_index(cfg, config)
+    hooks[i] = dict(copy.deepcopy(hooks[i]), **changes)
     cfg.custom_hooks = hooks
+    return hooks[i]
+
+
+def hook_latte_settings(cfg, config: str) -> "LatteConfig":
+    """The ``LatteConfig`` of the config's ``LinearizeHook`` entry (its other options left out)."""
+    from ..core.settings import LatteConfig
+
+    entry = dict(cfg.custom_hooks[_hook_index(cfg, config)])
+    return LatteConfig.from_dict({k: v for k, v in entry.items() if k in LatteConfig.__dataclass_fields__})
+
+
+def drop_linearize_hook(cfg) -> None:
+    """Removes the ``LinearizeHook`` (for jobs that drive LATTE themselves, or the exact model)."""
+    cfg.custom_hooks = [h for h in cfg.get("custom_hooks", []) or [] if h.get("type") != "LinearizeHook"]
+
+
+def runner_with_checkpoint(cfg, checkpoint: Optional[str], latte: Optional["LatteConfig"] = None):
+    """Builds the config's Runner, installs the LATTE cores (through its ``LinearizeHook``, or
+    ``latte``'s candidates when the hook was dropped), checks ``checkpoint`` against the model
+    (keys and shapes, unless the hook allows a partial load) and loads it.
+
+    Raises:
+        CheckpointError: an unreadable checkpoint, or one that does not fit (one line).
+    """
+    from mmengine.runner import Runner
+
+    from .hook import LinearizeHook
+
+    cfg.load_from = checkpoint or cfg.get("load_from")
+    runner = Runner.from_cfg(cfg)
+    hook = LinearizeHook.find(runner)
+    if hook is not None:
+        hook.before_run(runner)  # LATTE layers in place before the checkpoint restores their state
+    elif latte is not None:
+        linearize_model(runner.model, latte)
+    if cfg.load_from and not (hook is not None and hook.allow_partial_load):
+        check_checkpoint(unwrap(runner.model), cfg.load_from, "allow_partial_load=True / --allow-partial-load")
+    runner.load_or_resume()
+    return runner
 
 
 def _launcher(launcher: str) -> str:
@@ -86,22 +137,18 @@ def run_calibration(config: str, checkpoint: Optional[str] = None, work_dir: Opt
         ``retained`` and ``paths`` when evaluated.
     """
     from mmengine.dist import is_main_process
-    from mmengine.runner import Runner
 
     from .hook import LinearizeHook
 
     cfg = load_config(config, opts)
-    _set_hook(cfg, config, overrides, allow_partial_load)
+    set_linearize_hook(cfg, config, **(overrides or {}), calibrate="always", allow_partial_load=bool(allow_partial_load))
     cfg.work_dir = work_dir or cfg.get("work_dir") or os.path.join(
         "work_dirs", os.path.splitext(os.path.basename(config))[0])
     if checkpoint:
         check_readable(checkpoint)
-        cfg.load_from = checkpoint
     cfg.launcher = _launcher(launcher)
-    runner = Runner.from_cfg(cfg)
+    runner = runner_with_checkpoint(cfg, checkpoint)
     hook = LinearizeHook.find(runner)
-    hook.before_run(runner)
-    runner.load_or_resume()
     report = hook.run_calibration(runner)
     hook.calibrate = "never"  # later test() calls reuse this state
     mode = hook.latte_cfg.mode
