@@ -31,7 +31,7 @@ def detr_r50_with_latte():
     from latte_plugin.core.settings import LatteConfig
 
     from latte_plugin.core.layer import find_latte_layers
-    from latte_plugin.mmdet import linearize_model
+    from latte_plugin.mmdet import install_latte_cores
 
     register_all_modules()
     cfg = Config.fromfile(os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", "detr",
@@ -39,7 +39,7 @@ def detr_r50_with_latte():
     cfg.model.backbone.init_cfg = None
     torch.manual_seed(0)
     model = MODELS.build(cfg.model).eval()
-    names = linearize_model(model, LatteConfig(candidates=["encoder.layers.*.self_attn"]))
+    names = install_latte_cores(model, LatteConfig(candidates=["encoder.layers.*.self_attn"]))
     layers = find_latte_layers(model)
     for lay in layers.values():
         lay.m.fill_(0.7)

@@ -25,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from latte_plugin.core import kernels as K  # noqa: E402
 from latte_plugin.core import triton_latte as T  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import DTYPES, peak_mem as peak  # noqa: E402  (the CPU benchmark's helpers, shared)
+
 
 
 def cuda_time(fn, reps: int) -> float:
@@ -42,15 +44,6 @@ def cuda_time(fn, reps: int) -> float:
         torch.cuda.synchronize()
         best = min(best, a.elapsed_time(b))
     return best
-
-
-def peak(fn) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def parse_args(argv=None) -> argparse.Namespace:

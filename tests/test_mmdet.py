@@ -56,7 +56,7 @@ def test_config_swap_on_detr_family(base):
     from mmengine.config import Config
 
     from latte_plugin.core.settings import LatteConfig
-    from latte_plugin.mmdet import linearize_model
+    from latte_plugin.mmdet import install_latte_cores
 
     import mmdet
 
@@ -69,7 +69,7 @@ def test_config_swap_on_detr_family(base):
     ds = DetDataSample(metainfo=dict(img_shape=(96, 128), batch_input_shape=(96, 128), pad_shape=(96, 128)))
     with torch.no_grad():
         before = model(x, [ds], mode="tensor")
-        names = linearize_model(model, LatteConfig(candidates=["encoder.layers.*.self_attn"]))
+        names = install_latte_cores(model, LatteConfig(candidates=["encoder.layers.*.self_attn"]))
         assert names == [f"encoder.layers.{i}.self_attn" for i in range(6)]
         after = model(x, [ds], mode="tensor")
         for a, b in zip(before, after):
@@ -374,12 +374,12 @@ def test_embedded_latte_configs_swap_their_candidates(name, count, linear):
 
     from latte_plugin.core.settings import LatteConfig
     from latte_plugin.core.selection import num_linear_layers
-    from latte_plugin.mmdet import linearize_model
+    from latte_plugin.mmdet import install_latte_cores
 
     cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", name))
     hook = {k: v for k, v in cfg.custom_hooks[0].items() if k != "type"}
     latte = LatteConfig.from_dict(hook)
-    names = linearize_model(_build(cfg.model), latte)
+    names = install_latte_cores(_build(cfg.model), latte)
     assert len(names) == count and num_linear_layers(count, latte.ratio, latte.num_linear) == linear
 
 

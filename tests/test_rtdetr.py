@@ -85,7 +85,7 @@ def test_rtdetr_candidates_and_exact_mode_is_unchanged():
     from mmdet.structures import DetDataSample
 
     from latte_plugin.core.settings import LatteConfig
-    from latte_plugin.mmdet import linearize_model
+    from latte_plugin.mmdet import install_latte_cores
     from latte_plugin.mmdet.rtdetr import RTDETR_CANDIDATES
 
     cfg = _cfg()
@@ -95,7 +95,7 @@ def test_rtdetr_candidates_and_exact_mode_is_unchanged():
     ds = [DetDataSample(metainfo=dict(img_shape=(128, 128), batch_input_shape=(128, 128))) for _ in range(2)]
     with torch.no_grad():
         before = det(x, ds, mode="tensor")
-        names = linearize_model(det, LatteConfig(candidates=list(RTDETR_CANDIDATES)))
+        names = install_latte_cores(det, LatteConfig(candidates=list(RTDETR_CANDIDATES)))
         assert names == ["hf.model.encoder.aifi.0.layers.0.self_attn"] + [
             f"hf.model.decoder.layers.{i}.self_attn" for i in range(6)]
         after = det(x, ds, mode="tensor")

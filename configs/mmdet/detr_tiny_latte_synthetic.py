@@ -1,9 +1,8 @@
 # A tiny DETR (ResNet-18 cut after stage 3, d=64, 6 encoder layers) on the generated
 # synthetic COCO-format data (python -m latte_plugin.data.synthetic data/synthetic).
 # Random weights unless a checkpoint is given: for tests and the quick demo only.
-_base_ = ['mmdet::detr/detr_r50_8xb2-150e_coco.py', './embedded/_base_/synthetic_data.py']
-
-custom_imports = dict(imports=['latte_plugin.mmdet'], allow_failed_imports=False)
+_base_ = ['mmdet::detr/detr_r50_8xb2-150e_coco.py', './embedded/_base_/synthetic_data.py',
+          './_base_/latte_detr_encoder.py']
 
 embed_dims = 64
 model = dict(
@@ -35,16 +34,8 @@ test_dataloader = val_dataloader
 val_evaluator = {{_base_.synthetic.val_evaluator}}
 test_evaluator = val_evaluator
 
-custom_hooks = [
-    dict(
-        type='LinearizeHook',
-        candidates=['encoder.layers.*.self_attn'],
-        ratio=0.67,
-        variant='latte',
-        num_images=16,
-        steps=15,
-    )
-]
+# the base's hook with a test-sized budget
+custom_hooks = [dict(type='LinearizeHook', candidates=['encoder.layers.*.self_attn'], num_images=16, steps=15)]
 default_hooks = dict(logger=dict(interval=10))
 randomness = dict(seed=0)
 env_cfg = dict(dist_cfg=dict(backend='gloo'))

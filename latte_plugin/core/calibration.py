@@ -87,7 +87,7 @@ class LayerRecorder:
 
     name: str
     max_items: int = 64
-    max_queries: int = 256
+    max_queries: int = 128  # LatteConfig.max_queries
     seed: int = 0
     items: list[RecordedItem] = field(default_factory=list)
     seen: int = 0
@@ -614,7 +614,7 @@ def fit_layer(
     items: list[RecordedItem],
     steps: int = 20,
     lr: float = 1.0,
-    correction: str = "sigma",
+    correction: str = "auto",
     all_reduce: AllReduce = no_reduce,
     per_head: bool = False,
     choose: Optional[list[RecordedItem]] = None,

@@ -25,7 +25,6 @@ __all__ = [
     "qtvit_feature_map",
     "jpn_normalize",
     "augment",
-    "apply_sigma",
     "variant_features",
     "naive_linear_attention",
     "linear_attention",
@@ -178,11 +177,6 @@ def augment(feat: Tensor, beta: Tensor | float) -> Tensor:
     """Appends the augmentation column ``beta`` (``docs/method.md#linear-form``): ``(..., F)`` to ``(..., F + 1)``."""
     col = torch.as_tensor(beta, dtype=feat.dtype, device=feat.device).expand(*feat.shape[:-1], 1)
     return torch.cat([feat, col], dim=-1)
-
-
-def apply_sigma(o: Tensor, sigma: Optional[Tensor]) -> Tensor:
-    """Output rescaling ``sigma * o`` over the concatenated heads (``docs/method.md#output-correction``); ``o`` is ``(..., C)``."""
-    return o if sigma is None else o * sigma.to(o.dtype)
 
 
 def variant_features(

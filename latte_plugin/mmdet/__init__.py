@@ -7,11 +7,11 @@ It registers ``LATTEAttention`` and the ``HFRTDETR`` detector (``MODELS``) and `
 checkpoints contain (see :mod:`.checkpoint`), so no unsafe loading is ever needed.
 """
 from .attention import LATTEAttention
-from .calibrate import MMDetAdapter, calibrate_detector, linearize_model
+from .calibrate import MMDetAdapter, calibrate_detector, install_latte_cores
 from .checkpoint import register_safe_globals
 from .hook import LinearizeHook
 from .rtdetr import HFRTDETR
 
 register_safe_globals()
 
-__all__ = ["HFRTDETR", "MMDetAdapter", "LATTEAttention", "LinearizeHook", "calibrate_detector", "linearize_model", "register_safe_globals"]
+__all__ = ["HFRTDETR", "MMDetAdapter", "LATTEAttention", "LinearizeHook", "calibrate_detector", "install_latte_cores", "register_safe_globals"]

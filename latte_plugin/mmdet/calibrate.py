@@ -19,7 +19,7 @@ from torch import nn
 from ..adapter import Adapter, calibrate, swap_attention
 from ..core.settings import LatteConfig
 
-__all__ = ["MMDetAdapter", "unwrap", "linearize_model", "build_calibration_loader", "detector_forward",
+__all__ = ["MMDetAdapter", "unwrap", "install_latte_cores", "build_calibration_loader", "detector_forward",
            "detector_predict", "calibrate_detector"]
 
 
@@ -60,7 +60,7 @@ ADAPTER = MMDetAdapter()
 unwrap = ADAPTER.unwrap
 
 
-def linearize_model(model: nn.Module, cfg: LatteConfig) -> list[str]:
+def install_latte_cores(model: nn.Module, cfg: LatteConfig) -> list[str]:
     """Installs LATTE cores in the candidate attention modules (idempotent); returns their names."""
     return swap_attention(unwrap(model), cfg.candidates, cfg.variant)
 

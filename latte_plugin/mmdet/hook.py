@@ -13,7 +13,7 @@ from ..adapter import ensure_calibrated
 from ..core.layer import find_latte_layers
 from ..core.settings import LatteConfig
 from ..core.io import REPORT_NAME, atomic_write_json, check_keys, check_readable
-from .calibrate import ADAPTER, build_calibration_loader, calibrate_detector, linearize_model, unwrap
+from .calibrate import ADAPTER, build_calibration_loader, calibrate_detector, install_latte_cores, unwrap
 
 __all__ = ["LinearizeHook"]
 
@@ -75,7 +75,7 @@ class LinearizeHook(Hook):
         self.latte_cfg.validate()
 
     def before_run(self, runner) -> None:
-        names = linearize_model(runner.model, self.latte_cfg)
+        names = install_latte_cores(runner.model, self.latte_cfg)
         print_log(f"[latte] {len(names)} candidate attention layer(s): {', '.join(names)}", logger="current")
         if getattr(runner, "_load_from", None):
             check_readable(runner._load_from)

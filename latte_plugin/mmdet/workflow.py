@@ -11,7 +11,7 @@ import torch
 from ..artifacts import write_artifacts
 from ..core.layer import find_latte_layers, set_modes
 from ..core.io import check_checkpoint, check_readable, save_calibrated_checkpoint as save_bare
-from .calibrate import linearize_model, unwrap
+from .calibrate import install_latte_cores, unwrap
 
 if TYPE_CHECKING:
     from ..core.settings import LatteConfig
@@ -108,7 +108,7 @@ def runner_with_checkpoint(cfg, checkpoint: Optional[str], latte: Optional["Latt
     if hook is not None:
         hook.before_run(runner)  # LATTE layers in place before the checkpoint restores their state
     elif latte is not None:
-        linearize_model(runner.model, latte)
+        install_latte_cores(runner.model, latte)
     if cfg.load_from and not (hook is not None and hook.allow_partial_load):
         check_checkpoint(unwrap(runner.model), cfg.load_from, "allow_partial_load=True / --allow-partial-load")
     runner.load_or_resume()
