@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# the scripts the tests import as modules: the user's commands (tools/) and the evidence jobs (tools/evidence/)
+sys.path.insert(1, os.path.join(ROOT, "tools"))
+sys.path.insert(2, os.path.join(ROOT, "tools", "evidence"))
 
 
 @pytest.fixture(autouse=True)

@@ -9,11 +9,13 @@ import pytest
 
 from tests.conftest import ROOT
 
-SCRIPTS = sorted(os.path.relpath(p, ROOT) for d in ("tools", "benchmarks") for p in glob.glob(os.path.join(ROOT, d, "*.py")))
+SCRIPTS = sorted(os.path.relpath(p, ROOT) for d in ("tools", "tools/evidence", "benchmarks", "examples")
+                 for p in glob.glob(os.path.join(ROOT, d, "*.py")))
 
 
 def test_the_scripts_are_found():
-    assert "tools/calibrate.py" in SCRIPTS and any(s.startswith("benchmarks/") for s in SCRIPTS)
+    assert "tools/calibrate.py" in SCRIPTS and "tools/evidence/main_job.py" in SCRIPTS
+    assert any(s.startswith("benchmarks/") for s in SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

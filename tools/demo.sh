@@ -4,9 +4,9 @@
 #                               RT-DETR) the rows exact, the paper's protocol, ours at 67% and 83%
 #                               (calibrate + CocoMetric), then mmdet's own tools/test.py on the saved
 #                               default-row checkpoint (no recalibration)
-#   bash tools/demo.sh --full   every row of tools/main_job.py, mmdet's tools/test.py, the ONNX export
+#   bash tools/demo.sh --full   every row of tools/evidence/main_job.py, mmdet's tools/test.py, the ONNX export
 #                               evaluated through onnxruntime, and the generic entry on the
-#                               non-detection model (tools/sequence_job.py); what regenerates results/:
+#                               non-detection model (tools/evidence/sequence_job.py); what regenerates results/:
 #   LATTE_DEMO_RESULTS=results bash tools/demo.sh --full
 #   LATTE_DEMO_MODELS=rtdetr bash tools/demo.sh      # one model
 set -euo pipefail
@@ -35,7 +35,7 @@ for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr}; do
   echo "== $model: $cfg on $ckpt =="
   # progress bars, the table and the paths on the console; the frameworks' logs in $work/main_job.log
   if [ "$full" = 1 ]; then rows=(); else rows=(--rows exact latte ours:auto 'ours:auto@83%'); fi
-  PYTHONWARNINGS=ignore "$py" tools/main_job.py --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" "${rows[@]}" \
+  PYTHONWARNINGS=ignore "$py" tools/evidence/main_job.py --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" "${rows[@]}" \
     ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/main_job_$model.json"}
   echo "== mmdet's own tools/test.py on $work/latte_calibrated.pth (no recalibration; log: $work/mmdet_test.log) =="
   mkdir -p "$work"
@@ -49,4 +49,4 @@ for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr}; do
 done
 [ "$full" = 1 ] || { echo "(the headline; every row, ONNX and the sequence model: bash tools/demo.sh --full)"; exit 0; }
 echo "== beyond detectors: the retrieval encoder through latte_plugin.linearize =="
-PYTHONWARNINGS=ignore "$py" tools/sequence_job.py ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/sequence_job.json"}
+PYTHONWARNINGS=ignore "$py" tools/evidence/sequence_job.py ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/sequence_job.json"}

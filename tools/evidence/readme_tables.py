@@ -2,8 +2,8 @@
 """Regenerates the tables of the README and of the docs/ pages from the committed result files
 under ``results/``.
 
-    python tools/readme_tables.py           # rewrite README.md and docs/*.md in place
-    python tools/readme_tables.py --check   # exit 1 (and show the first difference) if one is stale
+    python tools/evidence/readme_tables.py           # rewrite README.md and docs/*.md in place
+    python tools/evidence/readme_tables.py --check   # exit 1 (and show the first difference) if one is stale
 
 Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` markers, on
 whichever page holds it; NAME picks the renderer and its result file (see :data:`TABLES`).
@@ -20,7 +20,7 @@ import re
 import sys
 from typing import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "results")
 README = os.path.join(ROOT, "README.md")
 
@@ -172,7 +172,7 @@ def onnx_cpu_table() -> str:
 
 
 def sequence_table() -> str:
-    """tools/sequence_job.py: the generic entry on the marker-retrieval encoder trained here."""
+    """tools/evidence/sequence_job.py: the generic entry on the marker-retrieval encoder trained here."""
     res = _load("sequence_job.json")
     exact = next(r for r in res["rows"] if r["row"] == "exact")
     rows = []
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         if a.check:
             diff = "".join(list(difflib.unified_diff(text.splitlines(True), new.splitlines(True), name,
                                                      "regenerated"))[:40])
-            print(f"{name} is stale: run python tools/readme_tables.py\n{diff}")
+            print(f"{name} is stale: run python tools/evidence/readme_tables.py\n{diff}")
             stale = 1
             continue
         from latte_plugin.core.io import atomic_write

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Runs a command, measures its wall time, and records it in ``results/timings.json``.
 
-    python tools/record_timing.py --machine "fresh cache, 2 cores" [--note TEXT] -- bash tools/test.sh
-    python tools/record_timing.py --machine ... --seconds 812 -- bash tools/demo.sh   # timed by the shell
+    python tools/evidence/record_timing.py --machine "fresh cache, 2 cores" [--note TEXT] -- bash tools/test.sh
+    python tools/evidence/record_timing.py --machine ... --seconds 812 -- bash tools/demo.sh   # timed by the shell
 
 The row is keyed by (command, machine): a new measurement replaces the old one. The README's
-timings table is generated from this file (``tools/readme_tables.py``). The command's output
+timings table is generated from this file (``tools/evidence/readme_tables.py``). The command's output
 passes through; its exit status is returned (and a failed run is not recorded).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 

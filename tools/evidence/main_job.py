@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The README's main job: every LATTE row on the embedded checkpoint, evaluated by CocoMetric.
 
-    python tools/main_job.py [--config CFG] [--checkpoint CKPT] [--work-dir DIR] [--rows a b ...]
+    python tools/evidence/main_job.py [--config CFG] [--checkpoint CKPT] [--work-dir DIR] [--rows a b ...]
 
 CFG is an mmdet config with a ``LinearizeHook`` (its settings are the base of every row).
 Writes to DIR: ``latte_report.json`` (the spec keys for the ``latte`` row plus one entry per
@@ -16,9 +16,9 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
 
 from latte_plugin.core.io import CKPT_NAME, REPORT_NAME  # noqa: E402
 
@@ -100,7 +100,7 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
                                                 compensated=(f.get("compensated") or {}).get("correction"))
                                         for n, f in r["fit"].items()}}
                       for name, r in report.get("row_reports", {}).items()}
-    out["command"] = "python tools/main_job.py " + " ".join(
+    out["command"] = "python tools/evidence/main_job.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
                                                      ("num_images", a.num_images), ("data_root", a.data_root)) if v) + (
         " --rows " + " ".join(f"'{r}'" if "%" in r else r for r in a.rows) if a.rows else "")

@@ -2,7 +2,7 @@
 """mmdet's CocoMetric vs detectron2's COCOEvaluator on the same checkpoints, through each
 framework's own evaluation script; writes ``results/parity_detectron2.json``.
 
-    python tools/parity_detectron2.py [--models cond_detr rtdetr] [--detectron2-src SRC]
+    python tools/evidence/parity_detectron2.py [--models cond_detr rtdetr] [--detectron2-src SRC]
         [--out results/parity_detectron2.json] [--work-dir work_dirs/parity]
 
 For each embedded model: ``tools/calibrate.py`` (defaults) on its mmdet config, then mmdet's
@@ -22,7 +22,7 @@ import sys
 import tarfile
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 MODELS = {
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
             say(f"[parity] {row['model']:16s} {state:42s} mmdet {row['mmdet_bbox_mAP']:.3f}  "
                 f"detectron2 {row['detectron2_AP']:.2f}")
     commit = "02b5c4e295e990042a714712c21dc79b731e8833"
-    out = {"rows": rows, "detectron2_commit": commit, "command": "python tools/parity_detectron2.py"}
+    out = {"rows": rows, "detectron2_commit": commit, "command": "python tools/evidence/parity_detectron2.py"}
     atomic_write_json(out, a.out)
     say(f"results: {a.out}")
     return out

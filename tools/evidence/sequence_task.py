@@ -2,8 +2,8 @@
 """The non-detection model of the evidence: a small transformer encoder trained here on the
 generated marker-retrieval task (:mod:`latte_plugin.data.sequence`).
 
-    python tools/sequence_task.py train [--steps 3000] [--out checkpoints/seq_retrieval.safetensors]
-    python tools/sequence_task.py eval [--checkpoint ...]
+    python tools/evidence/sequence_task.py train [--steps 3000] [--out checkpoints/seq_retrieval.safetensors]
+    python tools/evidence/sequence_task.py eval [--checkpoint ...]
 
 The model is plain PyTorch: token + learned position embeddings, ``nn.TransformerEncoder``
 (6 pre-norm layers, d=64, 4 heads, ``nn.MultiheadAttention`` inside, so the generic entry
@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch  # noqa: E402
