@@ -34,11 +34,12 @@ def synthetic_data(tmp_path_factory):
     return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic256")), num_train=8, num_val=6, size=256, seed=0)
 
 
-def _lazy(data_root, *opts):
-    """The embedded LATTE LazyConfig pointed at ``data_root`` (registered under a test prefix)."""
+def _lazy(data_root, *opts, prefix="latte_test"):
+    """The embedded LATTE LazyConfig pointed at ``data_root`` (registered under ``prefix``: a
+    registration is kept for the process, so another split needs another prefix)."""
     from detectron2.config import LazyConfig
 
-    train, val = d2p.register_synthetic(data_root, prefix="latte_test")
+    train, val = d2p.register_synthetic(data_root, prefix=prefix)
     cfg = LazyConfig.load(D2_CFG)
     cfg = LazyConfig.apply_overrides(cfg, [
         f"dataloader.train.dataset.names={train}", f"dataloader.test.dataset.names={val}",
@@ -183,7 +184,7 @@ def _launch_worker(out, data_root):
     from latte_plugin.core.settings import LatteConfig
 
     torch.set_num_threads(1)
-    cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never")
+    cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never", prefix="latte_test40")
     torch.manual_seed(0)
     model = instantiate(cfg.model).eval()
     loader = instantiate(cfg.model.calibration_loader)  # the COCO configs' loader: InferenceSampler, blocks per rank
@@ -291,3 +292,12 @@ def test_both_hooks_take_the_same_options_and_write_the_report(synthetic_data, t
     hook.before_train()
     saved = json.load(open(tmp_path / "latte_report.json"))
     assert saved["linearized"] == hook.report["linearized"] and len(saved["linearized"]) == 4
+
+
+def test_registering_another_split_under_a_used_name_points_it_at_the_new_split(synthetic_data, train_split_of_40):
+    from detectron2.data import DatasetCatalog
+
+    train, _ = d2p.register_synthetic(synthetic_data, prefix="latte_rereg")
+    assert len(DatasetCatalog.get(train)) == 8
+    train, _ = d2p.register_synthetic(train_split_of_40, prefix="latte_rereg")
+    assert len(DatasetCatalog.get(train)) == 40

@@ -193,6 +193,7 @@ def apply_inference_settings(model: nn.Module, cfg: LatteConfig, log: Callable[[
     if loaded and loaded != [cfg.variant]:
         log(f"[latte] variant={cfg.variant!r} not applied: the checkpoint was calibrated with variant "
             f"{', '.join(loaded)}, and the variant changes only by recalibrating (calibrate='always')")
-    log(f"[latte] calibrated LATTE state loaded: {len(linear)} of {len(layers)} layers {cfg.mode}"
+    log(f"[latte] using the calibrated LATTE state loaded from the checkpoint: {len(linear)} of {len(layers)} "
+        f"layers {cfg.mode}"
         + (f" (softmax below {int(cfg.threshold)} keys)" if cfg.mode == "dynamic" else ""))
     return linear
