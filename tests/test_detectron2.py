@@ -301,3 +301,26 @@ def test_registering_another_split_under_a_used_name_points_it_at_the_new_split(
     assert len(DatasetCatalog.get(train)) == 8
     train, _ = d2p.register_synthetic(train_split_of_40, prefix="latte_rereg")
     assert len(DatasetCatalog.get(train)) == 40
+
+
+def test_a_checkpoint_calibrated_for_other_candidates_is_refused(synthetic_data, tmp_path):
+    """As mmdet's hook does: LATTE state for layers the config does not name stops the load."""
+    from detectron2.checkpoint import DetectionCheckpointer
+    from detectron2.config import instantiate
+
+    from latte_plugin.core.io import CheckpointError
+
+    cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.num_images=2", "model.latte.steps=1",
+                "model.latte.greedy_images=1")
+    model = instantiate(cfg.model).eval()
+    with torch.no_grad():
+        model(next(iter(instantiate(cfg.dataloader.test))))  # calibrates all 6 encoder layers
+    path = str(tmp_path / "cal.pth")
+    torch.save({"model": model.state_dict()}, path)
+    fewer = instantiate(_lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}",
+                              "model.latte.candidates=['encoder.layers.0.self_attn','encoder.layers.1.self_attn']").model)
+    with pytest.raises(CheckpointError, match="calibrated for other LATTE candidates"):
+        DetectionCheckpointer(fewer).load(path)
+    same = instantiate(cfg.model)
+    DetectionCheckpointer(same).load(path)  # the same candidates load
+    assert all(bool(l.calibrated) for l in find_latte_layers(same).values())

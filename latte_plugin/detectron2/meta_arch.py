@@ -289,7 +289,10 @@ class MMDetDetector(LatteMetaArch):
 
 
 def _refuse_mismatched_keys(module: LatteMetaArch, incompatible) -> None:
-    """``load_state_dict`` post-hook: a checkpoint of another model is an error, not a warning."""
+    """``load_state_dict`` post-hook: a checkpoint of another model is an error, not a warning;
+    so is one calibrated for other LATTE candidates (as mmdet's hook refuses it)."""
+    if module.latte_cfg is not None:
+        _refuse_other_candidates(module, incompatible)
     if module.allow_partial_load:
         return
     missing, unexpected = key_mismatch(list(module.state_dict()),
@@ -298,6 +301,22 @@ def _refuse_mismatched_keys(module: LatteMetaArch, incompatible) -> None:
     if missing or unexpected:
         raise CheckpointError(mismatch_message("the checkpoint", missing, unexpected,
                                                "model.allow_partial_load=True"))
+
+
+def _refuse_other_candidates(module: LatteMetaArch, incompatible) -> None:
+    """A checkpoint holding LATTE state for layers this config does not name, or for only some
+    of those it names, was calibrated for other candidates: refuse it in one line."""
+    def layer(key: str) -> str:
+        return key.rsplit(".latte.", 1)[0]
+
+    ours = {layer(k) for k in module.state_dict() if ".latte." in k}
+    missing = {layer(k) for k in incompatible.missing_keys if ".latte." in k}
+    extra = sorted({layer(k) for k in incompatible.unexpected_keys if ".latte." in k})
+    if extra or (missing and missing != ours):
+        raise CheckpointError(
+            f"the checkpoint was calibrated for other LATTE candidates ({len(extra)} calibrated layer(s) this config "
+            f"does not name, e.g. {', '.join(extra[:2]) or '-'}; {len(missing) if missing != ours else 0} named "
+            "layer(s) without state): it comes from another model or config; re-run tools/calibrate.py for this config")
 
 
 @META_ARCH_REGISTRY.register()
