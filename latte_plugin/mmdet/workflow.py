@@ -92,8 +92,9 @@ def drop_linearize_hook(cfg) -> None:
 
 def runner_with_checkpoint(cfg, checkpoint: Optional[str], latte: Optional["LatteConfig"] = None):
     """Builds the config's Runner, installs the LATTE cores (through its ``LinearizeHook``, or
-    ``latte``'s candidates when the hook was dropped), checks ``checkpoint`` against the model
-    (keys and shapes, unless the hook allows a partial load) and loads it.
+    ``latte``'s candidates when the hook was dropped), and loads ``checkpoint``, checked once
+    against the model (keys and shapes): by the hook when there is one (which honours its
+    ``allow_partial_load``), else here.
 
     Raises:
         CheckpointError: an unreadable checkpoint, or one that does not fit (one line).
@@ -109,8 +110,8 @@ def runner_with_checkpoint(cfg, checkpoint: Optional[str], latte: Optional["Latt
         hook.before_run(runner)  # LATTE layers in place before the checkpoint restores their state
     elif latte is not None:
         install_latte_cores(runner.model, latte)
-    if cfg.load_from and not (hook is not None and hook.allow_partial_load):
-        check_checkpoint(unwrap(runner.model), cfg.load_from, "allow_partial_load=True / --allow-partial-load")
+    if cfg.load_from and hook is None:  # with the hook, its after_load_checkpoint checks (keys and shapes)
+        check_checkpoint(unwrap(runner.model), cfg.load_from, "a checkpoint of this config")
     runner.load_or_resume()
     return runner
 
