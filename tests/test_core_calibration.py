@@ -8,6 +8,7 @@ import torch
 from latte_plugin.core import (LatteConfig, LatteMultiheadAttention, LayerRecorder, calibrate_model,
                                find_latte_layers, fit_layer, naive_sensitivity_score, num_linear_layers,
                                select_by_score, set_modes, swap_mha)
+from latte_plugin.core.calibration import REFIT_REGS
 from latte_plugin.core.flops import exact_attention_flops, layer_flops, linear_attention_flops
 from latte_plugin.core.selection import SensitivityStats, backward_select, greedy_select
 from tests.toy import ToyEncoder, toy_batches
@@ -224,8 +225,8 @@ def _three_roles():
 
 
 def test_choice_items_pick_the_knobs_and_report_items_only_report():
-    """Choice items pick the L-BFGS iterations and the refit strength; the correction is fitted
-    on the fit items only; the report items give each correction's error and change nothing."""
+    """Choice items pick the L-BFGS iterations; the refit strength is chosen by cross-fitting over
+    the fit and choice items; the report items give each correction's error and change nothing."""
     layer, fit_rec, choose_rec, report_rec = _three_roles()
 
     sig = fit_layer(layer, fit_rec.items, steps=20, correction="sigma", choose=choose_rec.items,
@@ -237,15 +238,16 @@ def test_choice_items_pick_the_knobs_and_report_items_only_report():
 
     ref = fit_layer(layer, fit_rec.items, steps=20, correction="refit", choose=choose_rec.items,
                     report=report_rec.items)
-    assert bool(layer.refit_on) and ref.refit_reg in ref.choice["refit_reg"]
-    assert ref.refit_reg == min(ref.choice["refit_reg"], key=ref.choice["refit_reg"].get)
-    assert ref.heldout_mse == pytest.approx(ref.heldout["refit"])
+    cv = ref.choice["correction"]
+    assert bool(layer.refit_on) and set(cv) == {f"refit@{r:g}" for r in REFIT_REGS}
+    assert ref.correction == min(cv, key=cv.get) == f"refit@{ref.refit_reg:g}"
+    assert ref.heldout_mse == pytest.approx(ref.heldout[ref.correction])
     assert ref.final_mse < sig.final_mse  # a full refit fits the fit set better than a diagonal
     q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
     assert torch.isfinite(layer.linear(q, k, v)).all()
 
-    with pytest.raises(ValueError, match="held-out"):
-        fit_layer(layer, fit_rec.items, steps=5, correction="refit")  # several strengths, nothing to choose on
+    alone = fit_layer(layer, fit_rec.items, steps=5, correction="refit")  # no choice items: cross-fitted all the same
+    assert set(alone.choice["correction"]) == set(cv) and alone.refit_reg in REFIT_REGS
     big = fit_layer(layer, fit_rec.items, steps=5, correction="refit", refit_regs=(1e9,))
     torch.testing.assert_close(layer.refit_weight, torch.eye(32), atol=1e-4, rtol=0)
     assert big.refit_reg == 1e9
@@ -344,9 +346,14 @@ def test_auto_selection_and_accuracy_target():
 
     rep = run(ratio=0.67)
     sel = rep["selection"]
-    assert sel["method"] == "auto" and set(sel["crossfit_distortion"]) == {"score", "greedy", "backward"}
-    assert sel["crossfit_distortion"][sel["chosen"]] == min(sel["crossfit_distortion"].values())
-    assert sel["judge_images"] == 12 + 2 - 4  # fit + choice images minus the 4 the searches used
+    cmp = sel["comparison"]
+    assert sel["method"] == "auto" and cmp["reference"] == "score+sigma"
+    assert set(cmp["losses"]) == {f"{m}+{r}" for m in ("score", "greedy", "backward") for r in ("sigma", "refit", "auto")}
+    assert cmp["losses"][cmp["best"]] == min(cmp["losses"].values())
+    assert sel["configuration"] in (cmp["reference"], cmp["best"]) and sel["chosen"] == sel["configuration"].split("+")[0]
+    # 16 images, none held out: the first 8 search (4 of them in the greedy and backward searches), 8 judge
+    assert (sel["search_images"], sel["greedy_images"], sel["judge_images"], cmp["images"]) == (8, 4, 8, 8)
+    assert sel["heldout"]["kind"] == "cross-fitted" and sel["heldout"]["images"] == 8
     assert sel["heldout"]["raw_mse"] == sel["heldout_distortion"] > 0 and sel["heldout"]["fidelity"] > 0
     counts = []
     for target in (1e-9, 1e-2, 0.999):  # a budget is in (0, 1)
@@ -364,33 +371,42 @@ def test_auto_selection_and_accuracy_target():
         LatteConfig(target=1.5).validate()
 
 
-def test_fold_weights_are_the_correction_refitted_without_each_fold():
-    """fit_layer(fold_of=...): for each fold, the stored weights equal the same correction fitted
-    from scratch on the other folds' items only (so cross-fitted evaluation never runs an image
-    with a correction fitted on it)."""
+def test_each_folds_correction_is_chosen_and_fitted_without_that_fold():
+    """fit_layer(fold_of=..., rules=...): for every rule and fold, the stored correction is the one
+    cross-fitting over the *other* folds chooses, fitted from scratch on the other folds' items
+    only (nested: no fold's correction was chosen or fitted with that fold in view)."""
     from latte_plugin.core.calibration import (_normal_sums, _stack_by_shape, assign_folds, correction_weights,
-                                               item_position)
+                                               cv_choice, item_position, rule_candidates)
 
     layer, fit_rec, choose_rec, _ = _three_roles()
     for it in fit_rec.items + choose_rec.items:  # keys as the flow sets them: position * KEY_STRIDE
         it.key = it.key * 1024
     pool = fit_rec.items + choose_rec.items
     fold_of = assign_folds([item_position(it) for it in pool], 4)
-    for correction in ("auto", "refit", "sigma"):
-        res = fit_layer(layer, fit_rec.items, steps=3, correction=correction, choose=choose_rec.items,
-                        fold_of=fold_of)
-        trained = pool if correction == "auto" else fit_rec.items
-        reg = res.refit_reg
-        assert len(res.fold_weights) == 4
-        for f, w in enumerate(res.fold_weights):
-            rest = [it for it in trained if fold_of[item_position(it)] != f]
-            ref = correction_weights(res.kind, _normal_sums(layer, _stack_by_shape(rest), lambda t: t), reg)
-            assert torch.allclose(w, ref, rtol=1e-6, atol=1e-8), (correction, f)
-        assert not torch.allclose(res.fold_weights[0], res.weights) or res.kind == "none"
+
+    def sums(items):
+        return _normal_sums(layer, _stack_by_shape(items), lambda t: t)
+
+    res = fit_layer(layer, fit_rec.items, steps=3, correction="auto", choose=choose_rec.items, fold_of=fold_of,
+                    rules=("sigma", "refit", "auto"))
+    assert set(res.rules) == {"sigma", "refit", "auto"} and res.rules["auto"].name == res.correction
+    parts = [[it for it in pool if fold_of[item_position(it)] == f] for f in range(4)]
+    for rule, fitted in res.rules.items():
+        cands = rule_candidates(rule, REFIT_REGS)
+        assert len(fitted.folds) == 4
+        for f, (kind, w) in enumerate(fitted.folds):
+            name, _ = cv_choice(cands, [sums(p) for g, p in enumerate(parts) if g != f])
+            rest = [it for g, p in enumerate(parts) if g != f for it in p]
+            assert kind == cands[name][0], (rule, f)
+            assert torch.allclose(w, correction_weights(kind, sums(rest), cands[name][1]), rtol=1e-6, atol=1e-8), (rule, f)
+        assert not torch.allclose(fitted.folds[0][1], fitted.weights) or fitted.kind == "none"
+    # the rules differ in what they may choose: sigma's is sigma, refit's is a refit
+    assert res.rules["sigma"].kind == "sigma" and res.rules["refit"].kind == "refit"
 
 
 def test_cross_fitted_runs_each_image_with_its_folds_correction():
     """cross_fitted applies fold f's weights while fold f's images run, and restores the full ones."""
+    from latte_plugin.core.calibration import FittedCorrection
     from latte_plugin.core.judge import cross_fitted
 
     model = ToyEncoder().eval()
@@ -405,8 +421,8 @@ def test_cross_fitted_runs_each_image_with_its_folds_correction():
         for f in range(3):
             w = full.clone()
             w[:c].diagonal().fill_(float(f + 1))
-            per_fold.append(w)
-        corrections[n] = ("sigma", full, per_fold)
+            per_fold.append(("sigma", w))
+        corrections[n] = FittedCorrection("sigma", "sigma", full, per_fold)
     first = next(iter(layers))
     seen = {}
 
@@ -428,8 +444,9 @@ def test_cross_fitted_runs_each_image_with_its_folds_correction():
 
     batches = [(p, p) for p in range(7)]
     fold_of = {p: p % 3 for p in range(7)}
-    loss = cross_fitted(layers, corrections, batches, fold_of, Probe(), lambda t: t, refs=[None] * len(batches))
-    assert loss(list(layers)) == 7.0
+    verdict = cross_fitted(layers, corrections, batches, fold_of, Probe(), lambda t: t, refs=[None] * len(batches))(
+        list(layers))
+    assert verdict.loss == 7.0 and verdict.per_image.tolist() == [1.0] * 7  # the whole set's, and each image's
     assert seen == {p: float(p % 3 + 1) for p in range(7)}
     assert float(layers[first].sigma[0]) == 9.0  # restored
 

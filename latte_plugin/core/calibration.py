@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -21,8 +21,8 @@ from . import kernels
 from .layer import LatteParams
 
 __all__ = ["no_reduce", "RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "fit_correction", "FitResult",
-           "reconstruction_error", "AllReduce", "CORRECTIONS", "REFIT_REGS", "REFIT_FALLBACK",
-           "cross_fit_correction", "correction_candidates", "partition", "assign_folds", "apply_correction", "set_correction",
+           "reconstruction_error", "AllReduce", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK",
+           "FittedCorrection", "rule_candidates", "fit_rule", "cv_choice", "correction_candidates", "partition", "assign_folds", "apply_correction", "set_correction",
            "item_position", "KEY_STRIDE", "CROSS_FIT_FOLDS"]
 
 AllReduce = Callable[[Tensor], Tensor]
@@ -203,12 +203,15 @@ def share_items(recorder: LayerRecorder, all_reduce: AllReduce, shard: tuple[int
 STEP_CHECKPOINTS = (5, 10, 20, 40, 80)
 #: Ridge strengths of the output refit, relative to the mean energy of its inputs.
 REFIT_REGS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
-#: Ridge strength used when nothing is held out to choose it (the more cautious of the values
-#: the choice items picked on the embedded models: docs/results.md).
+#: Ridge strength used when fewer than two folds hold images to choose it by cross-fitting
+#: (the more cautious of the values chosen on the embedded models: docs/results.md).
 REFIT_FALLBACK = 0.01
 #: Output corrections: none, the paper's per-channel sigma, the ridge refit of the whole output,
 #: or ``auto``: the one of these (refit at each strength) with the lowest cross-fitted error.
 CORRECTIONS = ("none", "sigma", "refit", "auto")
+#: The correction rules whole configurations compare under ``correction='auto'`` (the paper's sigma
+#: first: the reference the others must beat).
+CORRECTION_RULES = ("sigma", "refit", "auto")
 #: Folds of the cross-fitting behind ``correction='auto'``.
 CROSS_FIT_FOLDS = 4
 
@@ -231,8 +234,8 @@ class FitResult:
             candidate's (``refit@<strength>`` each).
         correction: the correction applied (with ``auto``: the chosen candidate, e.g. ``refit@0.01``).
         kind: its kind (``none``, ``sigma`` or ``refit``); weights: its ``(C+1, C)`` weights.
-        fold_weights: per fold, the same correction fitted without that fold's images (for
-            cross-fitted evaluation of the whole model); empty without a fold assignment.
+        rules: ``{rule: FittedCorrection}`` of every rule fitted (``correction``'s and ``rules``),
+            each with its per-fold weights for the cross-fitted judge.
     """
 
     initial_mse: float
@@ -246,7 +249,7 @@ class FitResult:
     correction: str = "none"
     kind: str = "none"
     weights: Optional[Tensor] = None
-    fold_weights: list = field(default_factory=list)
+    rules: dict = field(default_factory=dict)
 
 
 def _sum_count(values: list[tuple[Tensor, float]], all_reduce: AllReduce) -> Tensor:
@@ -518,18 +521,6 @@ def correction_weights(kind: str, fit_sums: dict[str, Tensor], reg: Optional[flo
     return _ridge(fit_sums, float(reg))
 
 
-def choose_refit_reg(fit_sums: dict[str, Tensor], choose_sums: Optional[dict[str, Tensor]],
-                     refit_regs: tuple) -> tuple[float, dict]:
-    """The ridge strength of lowest error on the choice items (the only one, without them)."""
-    if choose_sums is None:
-        if len(refit_regs) != 1:
-            raise ValueError("choosing the refit strength needs held-out images (holdout > 0) or a single refit_reg")
-        return float(refit_regs[0]), {}
-    errs = {float(r): _correction_mse(_ridge(fit_sums, float(r)), choose_sums) for r in refit_regs}
-    errs = {r: (e if math.isfinite(e) else math.inf) for r, e in errs.items()}
-    return min(errs, key=lambda r: (errs[r], r)), errs
-
-
 def apply_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
     """Writes a correction into the layer's buffers (sigma for ``sigma``, the refit for ``refit``)."""
     c = layer.embed_dim
@@ -581,32 +572,80 @@ def _without(total: dict[str, Tensor], part: dict[str, Tensor]) -> dict[str, Ten
     return {k: total[k] - part[k] for k in total}
 
 
-def cross_fit_correction(layer: LatteParams, parts: list[list[RecordedItem]], refit_regs: tuple
-                         ) -> tuple[str, dict[str, float], dict[str, Tensor], list[dict[str, Tensor]]]:
-    """Chooses a layer's output correction by k-fold cross-fitting over the folds ``parts``.
+@dataclass
+class FittedCorrection:
+    """One correction rule fitted on a layer: on every image, and once per fold without it.
 
-    Each candidate is fitted on the other folds' sufficient statistics and scored on the fold
-    left out, so no error is measured on data its correction was fitted on. Closed form
-    throughout: the folds' sums are computed once.
-
-    Returns:
-        ``(chosen candidate, {candidate: cross-fitted MSE}, the sums of all items, each fold's sums)``.
+    Attributes:
+        name: the candidate the rule chose on all folds (``sigma``, ``none``, ``refit@<strength>``).
+        kind: its kind (``none``, ``sigma`` or ``refit``); weights: its ``(C+1, C)`` weights,
+            fitted on every fold.
+        folds: per fold, ``(kind, weights)`` *chosen and fitted* without that fold (the rule's
+            choice among its candidates is nested inside the folds, so the fold left out never
+            sees a choice made with it in view).
+        cv: ``{candidate: cross-fitted MSE}`` over all folds (what chose ``name``; empty when the
+            rule has one candidate or there is only one fold).
     """
-    sums = [_normal_sums(layer, _stack_by_shape(p), no_reduce) for p in parts]
-    total = _total(sums)
-    used = [f for f in sums if float(f["rows"]) > 0]
-    cands = correction_candidates(refit_regs)
+
+    name: str
+    kind: str
+    weights: Tensor
+    folds: list
+    cv: dict = field(default_factory=dict)
+
+
+def rule_candidates(rule: str, refit_regs: tuple) -> dict[str, tuple[str, Optional[float]]]:
+    """A correction rule's candidates ``{name: (kind, strength)}``: one for ``none`` and ``sigma``,
+    each strength for ``refit``, all of them for ``auto`` (the paper's sigma first: it wins ties)."""
+    if rule in ("none", "sigma"):
+        return {rule: (rule, None)}
+    if rule == "refit":
+        return {f"refit@{float(r):g}": ("refit", float(r)) for r in refit_regs}
+    return correction_candidates(refit_regs)
+
+
+def _fallback(cands: dict) -> str:
+    """The candidate a rule takes with fewer than two folds to compare on."""
+    if "sigma" in cands:
+        return "sigma"
+    name = f"refit@{REFIT_FALLBACK:g}"
+    return name if name in cands else next(iter(cands))
+
+
+def cv_choice(cands: dict[str, tuple[str, Optional[float]]], parts: list[dict[str, Tensor]]
+              ) -> tuple[str, dict[str, float]]:
+    """The candidate of lowest k-fold error over the folds' sums ``parts`` (each fitted on the
+    others, scored on the one left out): ``(name, {name: cross-fitted MSE})``."""
+    used = [p for p in parts if float(p["rows"]) > 0]
+    if len(cands) == 1:
+        return next(iter(cands)), {}
+    if len(used) < 2:
+        return _fallback(cands), {}
+    total = _total(used)
     errs: dict[str, float] = {}
     for name, (kind, reg) in cands.items():
-        if len(used) < 2:  # one fold: nothing to leave out; fall back to the paper's sigma
-            errs[name] = 0.0 if name == "sigma" else math.inf
-            continue
-        sse = sum(_correction_mse(correction_weights(kind, _without(total, f), reg), f) * float(f["rows"])
-                  for f in used)
+        sse = sum(_correction_mse(correction_weights(kind, _without(total, p), reg), p) * float(p["rows"])
+                  for p in used)
         err = sse / float(total["rows"])
         errs[name] = err if math.isfinite(err) else math.inf
     order = list(cands)
-    return min(order, key=lambda n: (errs[n], order.index(n))), errs, total, sums
+    return min(order, key=lambda n: (errs[n], order.index(n))), errs
+
+
+def fit_rule(rule: str, part_sums: list[dict[str, Tensor]], refit_regs: tuple) -> FittedCorrection:
+    """Fits a correction rule from each fold's sums: its choice and weights on all folds, and,
+    for each fold, the choice made by cross-fitting over the *other* folds and the weights
+    fitted on them (nested: closed form, the sums are computed once)."""
+    cands = rule_candidates(rule, refit_regs)
+    total = _total(part_sums)
+    name, cv = cv_choice(cands, part_sums)
+    folds = []
+    for f, part in enumerate(part_sums):
+        inner, _ = cv_choice(cands, [q for g, q in enumerate(part_sums) if g != f])
+        kind, reg = cands[inner]
+        folds.append((kind, correction_weights(kind, _without(total, part), reg)))
+    kind, reg = cands[name]
+    return FittedCorrection(name, kind, correction_weights(kind, total, reg), folds, cv)
 
 
 def fit_layer(
@@ -621,14 +660,16 @@ def fit_layer(
     report: Optional[list[RecordedItem]] = None,
     refit_regs: tuple = REFIT_REGS,
     fold_of: Optional[dict[int, int]] = None,
+    rules: Optional[Sequence[str]] = None,
 ) -> FitResult:
     """Fits one layer's scalars by local reconstruction (``docs/method.md#calibration``), in place.
 
     ``m`` (so alpha) starts at the softmax-weighted mean score; :func:`grid_start` and
     :func:`lbfgs_refine` minimise the MSE against the recorded softmax outputs (``jpn_only``
-    keeps ``m = 1``; ``qtvit`` has no anchor); then the output correction (:func:`_fit_correction`).
-    Three disjoint sets of images play three roles: ``items`` are fitted on, ``choose`` items
-    choose the knobs, ``report`` items only give honest held-out errors.
+    keeps ``m = 1``; ``qtvit`` has no anchor); then the output correction (:func:`fit_correction`).
+    Three disjoint sets of images play three roles: ``items`` are fitted on (kernel scalars and
+    corrections), ``choose`` items choose the L-BFGS step count (and join the corrections' folds),
+    ``report`` items only give held-out errors.
 
     Args:
         layer: the layer whose buffers are set.
@@ -638,13 +679,16 @@ def fit_layer(
         all_reduce: sums a tensor across ranks in place.
         per_head: one ``(m, log_rho)`` per head; else one pair shared by the layer (the paper).
         choose, report: recordings of the choice and report images (optional).
-        refit_regs: ridge strengths compared on ``choose`` (one value: used as is).
+        refit_regs: ridge strengths compared by cross-fitting (one value: used as is).
         fold_of: ``{global position: fold}`` (:func:`assign_folds`) of the fit and choice images:
-            ``auto`` cross-fits over these folds, and the result holds, per fold, the correction
-            fitted without it (``fold_weights``). Without it, ``auto`` deals items round-robin.
+            each rule chooses among its candidates by cross-fitting over these folds, and the
+            result holds, per fold, the rule chosen and fitted without it (:class:`FittedCorrection`).
+            Without it, items are dealt round-robin.
+        rules: further correction rules to fit beside ``correction`` (``FitResult.rules``), for
+            the flow to compare whole configurations.
 
     Raises:
-        ValueError: no recorded items; an unknown correction; several refit strengths, no choice items.
+        ValueError: no recorded items; an unknown correction.
     """
     if correction not in CORRECTIONS:
         raise ValueError(f"unknown output correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
@@ -664,7 +708,7 @@ def fit_layer(
     layer.m.copy_(m.expand(layer.num_heads))
     layer.log_rho.copy_(log_rho.expand(layer.num_heads))
 
-    res = fit_correction(layer, items, correction, all_reduce, choose, report, refit_regs, fold_of, fit, chooser)
+    res = fit_correction(layer, items, correction, all_reduce, choose, report, refit_regs, fold_of, rules)
     return replace(res, initial_mse=initial, alpha_init=alpha0, steps=n_steps,
                    choice={"steps": step_trace, **res.choice})
 
@@ -678,55 +722,34 @@ def fit_correction(
     report: Optional[list[RecordedItem]] = None,
     refit_regs: tuple = REFIT_REGS,
     fold_of: Optional[dict[int, int]] = None,
-    fit: Optional[_Stacked] = None,
-    chooser: Optional[_Stacked] = None,
+    rules: Optional[Sequence[str]] = None,
 ) -> FitResult:
     """Fits only the output correction of a layer whose kernel scalars are set, in place
-    (arguments as in :func:`fit_layer`; ``fit``/``chooser``: the items already stacked).
+    (arguments as in :func:`fit_layer`).
 
-    Also what error compensation refits: the items' targets may then be the *exact* model's
-    outputs while their q, k, v come from the hybrid model.
+    Every rule in ``rules`` (default: ``correction``'s) is fitted by :func:`fit_rule` on the fit
+    and choice items dealt to the folds; the layer takes ``correction``'s. Also what error
+    compensation refits: the items' targets may then be the *exact* model's outputs while
+    their q, k, v come from the hybrid model.
     """
-    fit = fit if fit is not None else _Stacked.of(items, all_reduce)
-    if chooser is None and float(all_reduce(torch.tensor([float(len(choose or []))], dtype=torch.float64))[0]) > 0:
-        chooser = _Stacked.of(choose or [], all_reduce)
     _reset_correction(layer)
-    name, (kind, reg), sums, part_sums, cands, choice = _fit_correction(
-        layer, correction, fit, chooser, items, choose, refit_regs, all_reduce, fold_of)
-    weights = correction_weights(kind, sums, reg)
-    apply_correction(layer, kind, weights)
-    layer.calibrated.fill_(True)
-    has_report = float(all_reduce(torch.tensor([float(len(report or []))], dtype=torch.float64))[0]) > 0
-    heldout = _report_errors(layer, sums, report or [], all_reduce, cands) if has_report else {}
-    final = reconstruction_error(layer, items, all_reduce)
-    return FitResult(initial_mse=final, final_mse=final, alpha_init=float(layer.alpha), heldout_mse=heldout.get(name),
-                     refit_reg=reg if kind == "refit" else None, choice=choice, heldout=heldout, correction=name,
-                     kind=kind, weights=weights,
-                     fold_weights=[correction_weights(kind, _without(sums, p), reg) for p in part_sums])
-
-
-def _fit_correction(layer: LatteParams, correction: str, fit: _Stacked, chooser: Optional[_Stacked],
-                    items: list[RecordedItem], choose: Optional[list[RecordedItem]], refit_regs: tuple,
-                    all_reduce: AllReduce, fold_of: Optional[dict[int, int]]) -> tuple:
-    """The correction to apply: ``(name, (kind, strength), sums it is fitted on, those sums per
-    fold (empty without ``fold_of``), candidates to report on, {what chose it})``. ``auto``
-    cross-fits over the fit and choice items; a fixed correction is fitted on the fit items,
-    the refit's strength chosen on the choice items."""
     folds = max(fold_of.values()) + 1 if fold_of else CROSS_FIT_FOLDS
-    if correction == "auto":
-        parts = partition(list(items) + list(choose or []), folds, fold_of)
-        name, cv, sums, part_sums = cross_fit_correction(layer, parts, refit_regs)
-        cands = correction_candidates(refit_regs)
-        return name, cands[name], sums, part_sums if fold_of else [], cands, {"correction": cv}
-    if fold_of:
-        part_sums = [_normal_sums(layer, _stack_by_shape(p), all_reduce) for p in partition(items, folds, fold_of)]
-        sums = _total(part_sums)
-    else:
-        part_sums, sums = [], _normal_sums(layer, fit.groups, all_reduce)
-    choose_sums = _normal_sums(layer, chooser.groups, all_reduce) if chooser is not None else None
-    reg, reg_trace = choose_refit_reg(sums, choose_sums, refit_regs) if correction == "refit" else (None, {})
-    cands = {c: (c, reg if reg is not None else REFIT_FALLBACK) for c in ("none", "sigma", "refit")}
-    return correction, (correction, reg), sums, part_sums, cands, {"refit_reg": reg_trace}
+    parts = partition(list(items) + list(choose or []), folds, fold_of)
+    part_sums = [_normal_sums(layer, _stack_by_shape(p), all_reduce) for p in parts]
+    fitted = {r: fit_rule(r, part_sums, refit_regs) for r in dict.fromkeys([correction, *(rules or ())])}
+    mine = fitted[correction]
+    apply_correction(layer, mine.kind, mine.weights)
+    layer.calibrated.fill_(True)
+    cands = rule_candidates(correction, refit_regs) if correction in ("auto", "refit") else {
+        c: (c, REFIT_FALLBACK if c == "refit" else None) for c in ("none", "sigma", "refit")}
+    has_report = float(all_reduce(torch.tensor([float(len(report or []))], dtype=torch.float64))[0]) > 0
+    total = _total(part_sums)
+    heldout = _report_errors(layer, total, report or [], all_reduce, cands) if has_report else {}
+    final = reconstruction_error(layer, items, all_reduce)
+    return FitResult(initial_mse=final, final_mse=final, alpha_init=float(layer.alpha),
+                     heldout_mse=heldout.get(mine.name, heldout.get(mine.kind)),
+                     refit_reg=cands[mine.name][1] if mine.kind == "refit" else None, choice={"correction": mine.cv},
+                     heldout=heldout, correction=mine.name, kind=mine.kind, weights=mine.weights, rules=fitted)
 
 
 def _report_errors(layer: LatteParams, sums: dict[str, Tensor], report: list[RecordedItem],

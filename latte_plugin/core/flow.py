@@ -1,8 +1,9 @@
 """The training-free flow on any model whose candidate layers carry :class:`LatteParams`.
 
 :func:`calibrate_model` reads as its steps, and the steps follow it in call order: split the
-images into roles -> record and fit every layer -> score -> select -> compensate -> held-out
-figures -> apply -> report (``docs/architecture.md``, ``docs/method.md``). An adapter
+images into roles -> record and fit every layer (every correction rule) -> score -> search
+the candidate sets -> judge the whole configurations -> compensate -> held-out figures ->
+apply -> report (``docs/architecture.md``, ``docs/method.md``). An adapter
 (``latte_plugin.adapter``) supplies the model, this rank's batches, ``forward`` and ``all_reduce``.
 """
 from __future__ import annotations
@@ -13,14 +14,15 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .calibration import (REFIT_FALLBACK, AllReduce, FitResult, LayerRecorder, fit_correction, fit_layer,
-                          no_reduce, set_correction, share_items)
+from .calibration import (CORRECTION_RULES, AllReduce, FitResult, FittedCorrection, LayerRecorder, fit_correction,
+                          fit_layer, no_reduce, set_correction, share_items)
+from .choice import Configuration, choose_configuration, target_count
 from .fidelity import RawDistortion
 from .flops import attention_gflops
-from .judge import (ROLES, CalibrationSplit, CrossFitJudge, fold_assignment, judge_images, measured,
-                    output_distortion, split_calibration)
+from .judge import (ROLES, CalibrationSplit, CrossFitJudge, fold_assignment, image_counts, measured, output_distortion,
+                    split_calibration)
 from .layer import LatteParams, find_latte_layers, set_modes
-from .selection import SensitivityStats, backward_select, greedy_select, num_linear_layers, select_by_score
+from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_layers
 from .settings import LatteConfig
 
 __all__ = ["calibrate_model", "AUTO_SELECTIONS"]
@@ -66,20 +68,19 @@ def calibrate_model(
     run = _start(model, batches, forward, cfg, all_reduce or no_reduce, log, progress, shard, positions)
     fidelity = fidelity or RawDistortion(forward, relative=True)
     fits, corrections, targets = _calibrate_layers(run)
-    sens, shapes = _score_sensitivity(run, run.split.fit)
+    sens, shapes = _score_sensitivity(run, run.split.search, corrections[cfg.correction])
     k = num_linear_layers(len(run.layers), cfg.ratio, cfg.num_linear)
-    judged = judge_images(run.split, run.reduce)
-    judge = CrossFitJudge(run.layers, corrections, judged, run.fold_of, run.reduce)
-    chosen, trace, how = _select_layers(run, sens, k, judge, fidelity)
-    k = len(chosen) if cfg.target is not None else k
-    if chosen and targets is not None and cfg.compensate != "never":
-        how["compensation"] = _choose_compensation(run, chosen, targets, corrections, judge, fits)
-    held = _heldout_figures(run, chosen, fidelity)
-    _apply_selection(run, chosen, sens)
+    judge = CrossFitJudge(run.layers, run.split.judge, run.fold_of, run.reduce)
+    chosen, trace, how = _select_configuration(run, sens, k, corrections, judge, fidelity)
+    k = len(chosen.layers) if cfg.target is not None else k
+    if chosen.layers and targets is not None and cfg.compensate != "never":
+        chosen, how["compensation"] = _choose_compensation(run, chosen, targets, corrections, judge, fidelity, fits)
+    _install_corrections(run, chosen, corrections, fits)
+    held = _heldout_figures(run, chosen, corrections, judge, fidelity)
+    _apply_selection(run, chosen.layers, sens)
     model.train(was_training)
-    report = _build_report(run, k, chosen, sens, fits, trace, shapes, held.get("raw_mse"))
-    n_judged = int(run.reduce(torch.tensor([float(len(judged))], dtype=torch.float64))[0])
-    report["selection"].update(how, judge_images=n_judged, heldout=held)
+    report = _build_report(run, k, chosen.layers, sens, fits, trace, shapes, held.get("raw_mse"))
+    report["selection"].update(how, configuration=chosen.name, heldout=held)
     return report
 
 
@@ -97,12 +98,15 @@ class _Run:
     progress: Callable[[Iterable, int, str], Iterable]
     shard: tuple[int, int]
 
-    def refit_regs(self) -> tuple:
-        """The ridge strengths to choose from (one fallback when nothing is held out to choose)."""
-        regs = tuple(float(r) for r in self.cfg.refit_reg)
-        if self.cfg.correction == "refit" and self.split.counts["choose"] == 0 and len(regs) > 1:
-            return (REFIT_FALLBACK,)
-        return regs
+    @property
+    def rules(self) -> tuple:
+        """The correction rules whole configurations compare (the user's, or all with ``auto``)."""
+        return CORRECTION_RULES if self.cfg.correction == "auto" else (self.cfg.correction,)
+
+    @property
+    def methods(self) -> tuple:
+        """The selection methods whole configurations compare (the user's, or all with ``auto``)."""
+        return AUTO_SELECTIONS if self.cfg.selection == "auto" else (self.cfg.selection,)
 
 
 def _start(model: nn.Module, batches: Sequence[Any], forward: Callable[[Any], Any], cfg: LatteConfig,
@@ -122,28 +126,26 @@ def _start(model: nn.Module, batches: Sequence[Any], forward: Callable[[Any], An
     rank, world = shard
     positions = list(positions) if positions is not None else [i * world + rank for i in range(len(batches))]
     split = split_calibration(list(batches), positions[: len(batches)], cfg, reduce)
-    run = _Run(layers, cfg, split, fold_assignment(split, cfg, reduce, shard), forward, reduce, log, progress, shard)
-    if cfg.correction == "refit" and run.refit_regs() != tuple(float(r) for r in cfg.refit_reg):
-        log(f"[latte] no held-out images to choose the refit strength: using {REFIT_FALLBACK}")
-    return run
+    return _Run(layers, cfg, split, fold_assignment(split, cfg, reduce, shard), forward, reduce, log, progress, shard)
 
 
 def _calibrate_layers(run: _Run) -> tuple[dict, dict, Optional[dict]]:
     """Records and fits every layer (one group, or layer by layer with ``sequential``).
 
     Returns:
-        ``(fits, corrections, exact targets)`` (:func:`_fit_layers`, :func:`_exact_targets`; no
-        targets with ``sequential``, whose records are not the exact model's).
+        ``(fits, {rule: {layer: FittedCorrection}}, exact targets)`` (:func:`_fit_layers`,
+        :func:`_exact_targets`; no targets with ``sequential``, whose records are not the exact model's).
     """
     fits: dict[str, dict] = {}
-    corrections: dict[str, tuple] = {}
+    corrections: dict[str, dict] = {r: {} for r in run.rules}
     targets = None
     names = list(run.layers)
     for group in ([[n] for n in names] if run.cfg.sequential else [names]):
         recs = _record_layers(run, group, f"recording {group[0]}" if run.cfg.sequential else "recording")
         group_fits, group_corrections = _fit_layers(run, group, recs)
         fits.update(group_fits)
-        corrections.update(group_corrections)
+        for rule in run.rules:
+            corrections[rule].update(group_corrections[rule])
         if run.cfg.sequential:
             run.layers[group[0]].mode = "linear"
         else:
@@ -182,17 +184,19 @@ def _fit_layers(run: _Run, group: list[str], recs: dict) -> tuple[dict, dict]:
     """Fits each layer of ``group`` on its ``fit`` records (knobs on ``choose``, errors on ``report``).
 
     Returns:
-        ``({layer: report entry}, {layer: (correction kind, weights, weights per fold)})``; the
-        second feeds the cross-fitted judge.
+        ``({layer: report entry}, {rule: {layer: FittedCorrection}})``; the second feeds the
+        cross-fitted judge.
     """
-    cfg, fits, corrections = run.cfg, {}, {}
+    cfg, fits, corrections = run.cfg, {}, {r: {} for r in run.rules}
     for n in group:
         layer = run.layers[n]
         # every rank holds every item (share_items): no all-reduce, so the sums run in one fixed order
         res = fit_layer(layer, recs["fit"][n].items, cfg.steps, cfg.lr, cfg.correction, no_reduce, cfg.per_head,
                         choose=recs["choose"][n].items, report=recs["report"][n].items,
-                        refit_regs=run.refit_regs(), fold_of=run.fold_of)
-        fits[n], corrections[n] = _fit_entry(res), (res.kind, res.weights, res.fold_weights)
+                        refit_regs=tuple(run.cfg.refit_reg), fold_of=run.fold_of, rules=run.rules)
+        fits[n] = _fit_entry(res)
+        for rule in run.rules:
+            corrections[rule][n] = res.rules[rule]
         held = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e}"
         run.log(f"[latte] fitted {n}: alpha={layer.alpha:.4f} rho={float(layer.log_rho.exp().mean()):.4g} "
                 f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held} (steps {res.steps}, {res.correction})")
@@ -211,28 +215,21 @@ def _exact_targets(recs: dict) -> dict[str, dict[int, Tensor]]:
     return {n: {it.key: it.target for role in ROLES for it in recs[role][n].items} for n in recs["fit"]}
 
 
-class _Capture:
-    """A layer probe that keeps the last output it saw."""
-
-    def __init__(self, store: dict, name: str) -> None:
-        self.store, self.name = store, name
-
-    def __call__(self, out: Tensor) -> None:
-        self.store[self.name] = out.detach()
-
-
-def _score_sensitivity(run: _Run, batches: list) -> tuple[dict, dict]:
+def _score_sensitivity(run: _Run, batches: list, corrections: dict[str, FittedCorrection]) -> tuple[dict, dict]:
     """The paper's per-layer score (exact vs fully linear outputs, streamed) and each layer's
-    mean token count ``{layer: (N, N)}``, over ``batches`` (``docs/method.md#selection``)."""
+    mean token count ``{layer: (N, N)}``, over ``batches`` (``docs/method.md#selection``); each
+    image's linear pass uses the corrections fitted without its fold."""
     layers, names = run.layers, list(run.layers)
     stats = {n: SensitivityStats() for n in names}
     tokens = torch.zeros(len(names), 2, dtype=torch.float64)  # (token rows, images) per layer
     captured: dict[str, Tensor] = {}
     for n in names:
-        layers[n].probe = _Capture(captured, n)
+        layers[n].probe = LastOutput(captured, n)
     try:
-        for _, batch in run.progress(batches, len(batches), "scoring"):
+        for pos, batch in run.progress(batches, len(batches), "scoring"):
             outs = []
+            for n in names:
+                set_correction(layers[n], *corrections[n].folds[run.fold_of[pos]])
             for linear in ([], names):
                 set_modes(layers, linear)
                 captured.clear()
@@ -246,6 +243,7 @@ def _score_sensitivity(run: _Run, batches: list) -> tuple[dict, dict]:
     finally:
         for n in names:
             layers[n].probe = None
+            set_correction(layers[n], corrections[n].kind, corrections[n].weights)
     for n in names:
         stats[n].sums = run.reduce(stats[n].sums)
     tokens = run.reduce(tokens)
@@ -253,121 +251,122 @@ def _score_sensitivity(run: _Run, batches: list) -> tuple[dict, dict]:
     return {n: stats[n].score(run.cfg.lam) for n in names}, shapes
 
 
-def _select_layers(run: _Run, sens: dict[str, float], k: int, judge: CrossFitJudge,
-                   fidelity: Any) -> tuple[list, list, dict]:
-    """The layers to linearize (model order), the selection's trace and how they were chosen.
+def _select_configuration(run: _Run, sens: dict[str, float], k: int, corrections: dict, judge: CrossFitJudge,
+                          fidelity: Any) -> tuple[Configuration, list, dict]:
+    """The configuration to apply, its search's trace and how it was chosen
+    (``docs/method.md#configurations``).
 
-    A fixed selection without a target takes its ``k`` layers. ``selection='auto'`` takes the
-    method whose ``k`` layers give the lowest cross-fitted raw-output MSE. With ``target``, the
-    count is the largest whose cross-fitted ``fidelity`` loss, for some method, stays within the
-    target (the lowest such loss wins) (``docs/method.md#selection``, ``#target``).
+    Each selection method's sets come from searches on the search images under the user's
+    correction rule, every set measured with cross-fitted corrections; every (method, rule)
+    pair is then judged on the judging images and :func:`choose_configuration` keeps the
+    paper's choice unless another gains more than its noise. With ``target``, the count is the
+    largest where some method's set is within the target, and only candidates within it compete.
     """
     cfg = run.cfg
-    methods = AUTO_SELECTIONS if cfg.selection == "auto" else (cfg.selection,)
     ks = list(range(1, len(run.layers) + 1)) if cfg.target is not None else [k]
     if not ks or max(ks) == 0:
-        return [], [], {}
-    distortion = output_distortion(run.layers, run.split.greedy, run.forward, run.reduce)
-    sets, traces = _candidate_sets(methods, run.layers, sens, ks, distortion)
+        return Configuration(run.methods[0], cfg.correction, []), [], {}
+    mse = RawDistortion(run.forward, relative=False)
+    searcher = CrossFitJudge(run.layers, run.split.greedy, run.fold_of, run.reduce)
+    search = searcher(mse, corrections[cfg.correction], cfg.correction)
+    sets, traces = candidate_sets(run.methods, run.layers, sens, ks, lambda s: search(s).loss)
+    info: dict = {}
+    measure = mse
     if cfg.target is not None:
-        method, k, info = _within_target(methods, sets, ks, float(cfg.target), judge(fidelity), fidelity.name)
-    elif len(methods) == 1:
-        method, info = methods[0], {}
-    else:
-        mse = judge(RawDistortion(run.forward, relative=False))  # the same measure as the compensation's
-        info = {"crossfit_distortion": {m: mse(sets[(m, k)]) for m in methods}}
-        method = min(methods, key=lambda m: (info["crossfit_distortion"][m], methods.index(m)))
-    return sets.get((method, k), []), traces.get(method, []), {"chosen": method, **info}
+        measure = fidelity
+        k, info = target_count(run.methods, sets, ks, float(cfg.target),
+                               judge(fidelity, corrections[cfg.correction], cfg.correction))
+        if k == 0:
+            return Configuration(run.methods[0], cfg.correction, []), [], {"chosen": run.methods[0], **info}
+    configs = [Configuration(m, r, sets[(m, k)]) for m in run.methods for r in run.rules]
+    if len(configs) == 1:
+        return configs[0], traces.get(configs[0].method, []), {"chosen": configs[0].method, **info}
+    verdicts = {c.name: judge(measure, corrections[c.rule], c.rule)(c.layers) for c in configs}
+    if cfg.target is not None:
+        verdicts = {n: v for n, v in verdicts.items() if v.loss <= float(cfg.target)}
+    name, comparison = choose_configuration(verdicts)
+    chosen = next(c for c in configs if c.name == name)
+    comparison["layers"] = {c.name: c.layers for c in configs if c.name in verdicts}
+    run.log(f"[latte] configuration: {name} (cross-fitted {measure.name} "
+            + ", ".join(f"{n} {v:.4e}" for n, v in comparison["losses"].items()) + ")")
+    return chosen, traces.get(chosen.method, []), {"chosen": chosen.method, "comparison": comparison,
+                                                   "measure": measure.name, **info}
 
 
-def _candidate_sets(methods: Sequence[str], layers: dict[str, LatteParams], sens: dict[str, float],
-                    ks: Sequence[int], distortion: Callable[[list[str]], float]) -> tuple[dict, dict]:
-    """Each method's linear set for each count in ``ks``: ``({(method, k): layers}, {method: trace})``.
-
-    Every method is nested (the set for ``k`` holds the set for ``k - 1``), so one run per
-    method gives every count: greedy adds up to ``max(ks)``, backward restores down to ``min(ks)``.
-    """
-    names, sets, traces = list(layers), {}, {}
-    for m in methods:
-        if m == "score":
-            order, traces[m] = select_by_score(sens, len(names)), []
-            sets.update({(m, k): order[:k] for k in ks})
-        elif m == "greedy":
-            order, traces[m] = greedy_select(names, max(ks), distortion)
-            sets.update({(m, k): order[:k] for k in ks})
-        else:
-            _, traces[m] = backward_select(names, min(ks), distortion)
-            restored = [t["restored"] for t in traces[m] if t["restored"] is not None]
-            sets.update({(m, k): [n for n in names if n not in restored[: len(names) - k]] for k in ks})
-    return {key: [n for n in names if n in chosen] for key, chosen in sets.items()}, traces
-
-
-def _within_target(methods: Sequence[str], sets: dict, ks: Sequence[int], target: float,
-                   loss: Callable[[list[str]], float], measure: str) -> tuple[str, int, dict]:
-    """From the most layers down: the first count where a method's set is within ``target``
-    (``loss`` remembers sets that several methods share)."""
-    losses: dict[int, dict[str, float]] = {}
-    for k in sorted(ks, reverse=True):
-        losses[k] = {m: loss(sets[(m, k)]) for m in methods}
-        ok = [m for m in methods if losses[k][m] <= target]
-        if ok:
-            best = min(ok, key=lambda m: (losses[k][m], methods.index(m)))
-            return best, k, {"target": {"target": target, "measure": measure, "k": k, "losses": losses}}
-    return methods[0], 0, {"target": {"target": target, "measure": measure, "k": 0, "losses": losses}}
-
-
-def _choose_compensation(run: _Run, chosen: list[str], targets: dict, corrections: dict, judge: CrossFitJudge,
-                         fits: dict) -> dict:
+def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, corrections: dict, judge: CrossFitJudge,
+                         fidelity: Any, fits: dict) -> tuple[Configuration, dict]:
     """Compensates the chosen layers (:func:`_compensate_layers`) and, with ``compensate='auto'``,
     keeps it only if the hybrid's cross-fitted raw-output MSE on the judging images is lower
-    (ties keep the plain fit). Updates ``corrections`` and the layers in place; the compensated
-    fits go to ``fits[layer]["compensated"]`` (``docs/method.md#compensation``)."""
+    (ties keep the plain fit) and, with ``target``, its fidelity loss is still within the target.
+    The compensated corrections join ``corrections`` under ``<rule>+compensation``; the
+    compensated fits go to ``fits[layer]["compensated"]`` (``docs/method.md#compensation``)."""
     mse = RawDistortion(run.forward, relative=False)
-    before = judge(mse)(chosen)
+    compensated = Configuration(chosen.method, chosen.rule, chosen.layers, compensated=True)
+    key = compensated.corrections_key
+    before = judge(mse, corrections[chosen.rule], chosen.rule)(chosen.layers).loss
     comp_fits, comp = _compensate_layers(run, chosen, targets)
-    after = judge(mse, {**corrections, **comp})(chosen)
+    corrections[key] = {**corrections[chosen.rule], **comp}
+    after = judge(mse, corrections[key], key)(chosen.layers).loss
     keep = run.cfg.compensate == "always" or after < before
-    for n in chosen:
+    info = {"crossfit_distortion": {"plain": before, "compensated": after}}
+    if keep and run.cfg.target is not None and run.cfg.compensate == "auto":
+        info["target_loss"] = judge(fidelity, corrections[key], key)(chosen.layers).loss
+        keep = info["target_loss"] <= float(run.cfg.target)  # re-judged: dropped if it breaks the budget
+    for n in chosen.layers:
         fits[n]["compensated"] = comp_fits[n]
-        if keep:
-            corrections[n] = comp[n]
-        kind, full, _ = corrections[n]
-        set_correction(run.layers[n], kind, full)
-    judge.forget()
     run.log(f"[latte] error compensation: cross-fitted output MSE {before:.4e} -> {after:.4e}: "
             f"{'kept' if keep else 'not kept'}")
-    return {"crossfit_distortion": {"plain": before, "compensated": after}, "kept": keep}
+    return (compensated if keep else chosen), {**info, "kept": keep}
 
 
-def _compensate_layers(run: _Run, chosen: list[str], targets: dict) -> tuple[dict, dict]:
+def _compensate_layers(run: _Run, chosen: Configuration, targets: dict) -> tuple[dict, dict]:
     """Error compensation: in model order, each chosen layer is recorded with the chosen layers
-    before it already linear (and compensated), and its output correction is refitted to map
-    those inputs to the *exact* model's attention output there (kernel scalars kept).
+    before it already linear (and compensated), and its output correction (the chosen rule)
+    is refitted to map those inputs to the *exact* model's attention output there (kernel
+    scalars kept).
 
-    Returns ``({layer: report entry}, {layer: (kind, weights, weights per fold)})``.
+    Returns ``({layer: report entry}, {layer: FittedCorrection})``.
     """
     fits, corrections = {}, {}
     set_modes(run.layers, [])
-    for n in chosen:
+    for n in chosen.layers:
         recs = _record_layers(run, [n], f"compensating {n}")
         for role in ROLES:
             for it in recs[role][n].items:
                 it.target = targets[n][it.key]
-        res = fit_correction(run.layers[n], recs["fit"][n].items, run.cfg.correction, no_reduce,
-                             recs["choose"][n].items, recs["report"][n].items, run.refit_regs(), run.fold_of)
-        fits[n], corrections[n] = _fit_entry(res), (res.kind, res.weights, res.fold_weights)
+        res = fit_correction(run.layers[n], recs["fit"][n].items, chosen.rule, no_reduce,
+                             recs["choose"][n].items, recs["report"][n].items, tuple(run.cfg.refit_reg), run.fold_of)
+        fits[n], corrections[n] = _fit_entry(res), res.rules[chosen.rule]
         run.layers[n].mode = "linear"
     return fits, corrections
 
 
-def _heldout_figures(run: _Run, chosen: list[str], fidelity: Any) -> dict:
-    """The chosen layers' raw-output MSE and ``fidelity`` loss on the report images (nothing was
-    fitted on them or chosen by them); empty without report images."""
-    if not run.split.counts.get("report"):
+def _install_corrections(run: _Run, chosen: Configuration, corrections: dict, fits: dict) -> None:
+    """Gives every layer the chosen configuration's correction, fitted on every fit and choice
+    image, and records which candidate each layer took in ``fits[layer]["applied"]``."""
+    for n, corr in corrections[chosen.corrections_key].items():
+        set_correction(run.layers[n], corr.kind, corr.weights)
+        fits[n]["applied"] = corr.name
+
+
+def _heldout_figures(run: _Run, chosen: Configuration, corrections: dict, judge: CrossFitJudge,
+                     fidelity: Any) -> dict:
+    """The chosen configuration's raw-output MSE and ``fidelity`` loss: on the report images
+    when there are any (nothing was fitted on or chosen by them), else cross-fitted on the
+    judging images (no image judged a correction fitted on it, but these images chose the
+    configuration: ``docs/method.md#report``). Empty without linear layers."""
+    if not chosen.layers:
         return {}
-    report = run.split.report
-    return {"raw_mse": output_distortion(run.layers, report, run.forward, run.reduce)(chosen),
-            "fidelity": measured(run.layers, report, fidelity, run.reduce)(chosen), "measure": fidelity.name}
+    if run.split.counts.get("report"):
+        report = run.split.report
+        return {"raw_mse": output_distortion(run.layers, report, run.forward, run.reduce)(chosen.layers),
+                "fidelity": measured(run.layers, report, fidelity, run.reduce)(chosen.layers),
+                "measure": fidelity.name, "kind": "report images", "images": run.split.counts["report"]}
+    corr, key = corrections[chosen.corrections_key], chosen.corrections_key
+    mse = RawDistortion(run.forward, relative=False)
+    raw, fid = judge(mse, corr, key)(chosen.layers), judge(fidelity, corr, key)(chosen.layers)
+    return {"raw_mse": raw.loss, "fidelity": fid.loss, "measure": fidelity.name, "kind": "cross-fitted",
+            "images": int(raw.per_image.numel())}
 
 
 def _apply_selection(run: _Run, chosen: list[str], sens: dict[str, float]) -> None:
@@ -392,9 +391,10 @@ def _build_report(run: _Run, k: int, chosen: list[str], sens: dict, fits: dict, 
         "sigma_mean": {n: float(layers[n].sigma.mean()) for n in names},
         "fit": fits,
         "selection": {"method": run.cfg.selection, "k": k, "trace": trace, "heldout_distortion": heldout_distortion,
-                      "images": dict(run.split.counts), "greedy_images": len(run.split.greedy)},
+                      "images": dict(run.split.counts), **image_counts(run.split, run.reduce)},
         "tokens": {n: shapes[n][0] for n in names},
         "attention_gflops": {"exact": attention_gflops(shapes, layers, []),
                              "linearized": attention_gflops(shapes, layers, chosen)},
         "config": run.cfg.to_dict(),
     }
+

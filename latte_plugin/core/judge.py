@@ -2,7 +2,8 @@
 correction fitted on it (``docs/method.md#calibration``, ``docs/method.md#cross-fitting``).
 
 * :func:`split_calibration` deals this rank's images to the roles ``fit``, ``choose`` and
-  ``report`` by global position (the same split whatever the number of processes);
+  ``report`` by global position (the same split whatever the number of processes), and the
+  fit and choice images to those that search and those that judge;
 * :func:`fold_assignment` deals the fit and choice images to the cross-fitting folds;
 * :func:`measured` and :func:`output_distortion` measure a linear set on some images with the
   corrections the layers hold; :func:`cross_fitted` and :class:`CrossFitJudge` run each image
@@ -14,14 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch import Tensor
 
-from .calibration import CROSS_FIT_FOLDS, AllReduce, assign_folds, set_correction
+from .calibration import CROSS_FIT_FOLDS, AllReduce, FittedCorrection, assign_folds, set_correction
 from .fidelity import RawDistortion
 from .layer import LatteParams, set_modes
 from .settings import LatteConfig
 
-__all__ = ["ROLES", "CalibrationSplit", "image_role", "split_calibration", "fold_assignment", "judge_images",
-           "measured", "output_distortion", "cross_fitted", "CrossFitJudge"]
+__all__ = ["ROLES", "CalibrationSplit", "image_role", "compares_configurations", "split_calibration",
+           "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "cross_fitted", "CrossFitJudge"]
 
 
 #: The roles of calibration images: fitted on; choosing the knobs; only reporting held-out errors.
@@ -33,13 +35,18 @@ class CalibrationSplit:
     """This rank's calibration batches by role, each as ``(global position, batch)``.
 
     The roles come from the global position alone (:func:`image_role`), so the split is the
-    same whatever the number of processes. ``greedy`` is the global selections' subset of ``fit``.
+    same whatever the number of processes. The fit and choice images are further split by
+    position: ``search`` (the per-layer score and the searches run on them; ``greedy``, its
+    first ``greedy_images``, is what the greedy and backward searches compare outputs on) and
+    ``judge`` (they judge whole configurations; nothing was searched on them).
     """
 
     fit: list = field(default_factory=list)
     choose: list = field(default_factory=list)
     report: list = field(default_factory=list)
+    search: list = field(default_factory=list)
     greedy: list = field(default_factory=list)
+    judge: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)
 
 
@@ -47,7 +54,8 @@ def image_role(position: int, holdout: float) -> str:
     """``fit``, ``choose`` or ``report`` for a global batch position.
 
     Every ``round(1 / holdout)``-th position is held out; held-out positions alternate between
-    ``choose`` (they pick the knobs) and ``report`` (nothing is fitted on or chosen by them).
+    ``choose`` (they pick the L-BFGS step count) and ``report`` (nothing is fitted on or chosen
+    by them).
     """
     if holdout <= 0:
         return "fit"
@@ -57,20 +65,34 @@ def image_role(position: int, holdout: float) -> str:
     return "choose" if (position // period) % 2 == 0 else "report"
 
 
+def compares_configurations(cfg: LatteConfig) -> bool:
+    """Whether the settings leave a choice among whole configurations (``selection`` or
+    ``correction`` is ``auto``), so that some images must be kept to judge them."""
+    return cfg.selection == "auto" or cfg.correction == "auto"
+
+
 def split_calibration(batches: Sequence[Any], positions: Sequence[int], cfg: LatteConfig,
                       reduce: AllReduce) -> CalibrationSplit:
-    """Deals this rank's batches to the roles and picks the global greedy subset of ``fit``:
-    the ``greedy_images`` fit positions of lowest global position (whichever rank holds them)."""
+    """Deals this rank's batches to the roles, then the fit and choice images (by their rank
+    among the global fit and choice positions, whichever rank holds them) to ``search`` (the
+    first half) and ``judge`` (the rest). With nothing to choose (:func:`compares_configurations`)
+    every fit and choice image searches and judges. ``greedy``: the first ``greedy_images`` of
+    ``search``."""
     split = CalibrationSplit()
     for pos, batch in zip(positions, batches):
         getattr(split, image_role(int(pos), cfg.holdout)).append((int(pos), batch))
-    fit_rank = {}  # global position -> index among the global fit positions (a function of the position)
-    for g in range(max((int(p) for p in positions), default=-1) + 1):
-        if image_role(g, cfg.holdout) == "fit":
-            fit_rank[g] = len(fit_rank)
-    split.greedy = [(p, b) for p, b in split.fit if fit_rank[p] < max(1, cfg.greedy_images)]
     local = torch.tensor([float(len(getattr(split, r))) for r in ROLES], dtype=torch.float64)
     split.counts = dict(zip(ROLES, (int(x) for x in reduce(local).tolist())))
+    used = sorted(split.fit + split.choose, key=lambda pb: pb[0])
+    rank = {}  # global position -> index among the global fit and choice positions
+    for g in range(max((p for p, _ in used), default=-1) + 1):
+        if image_role(g, cfg.holdout) != "report":
+            rank[g] = len(rank)
+    n = split.counts["fit"] + split.counts["choose"]
+    half = n if not compares_configurations(cfg) or n < 2 else (n + 1) // 2
+    split.search = [(p, b) for p, b in used if rank[p] < half]
+    split.greedy = [(p, b) for p, b in used if rank[p] < min(half, max(1, cfg.greedy_images))]
+    split.judge = [(p, b) for p, b in used if rank[p] >= half] if half < n else list(used)
     return split
 
 
@@ -109,76 +131,84 @@ def fold_assignment(split: CalibrationSplit, cfg: LatteConfig, reduce: AllReduce
     return assign_folds([g for g in range(n) if image_role(g, cfg.holdout) != "report"], CROSS_FIT_FOLDS)
 
 
-def cross_fitted(layers: dict[str, LatteParams], corrections: dict, batches: list, fold_of: dict[int, int],
-                 measure: Any, reduce: AllReduce, refs: list) -> Callable[[list[str]], float]:
-    """``linear layers -> measure's loss`` on ``batches``, each image run with every linear
-    layer's output correction fitted *without* that image's fold (:func:`fit_layers`), so no
-    image judges a correction fitted on it. The full corrections are restored afterwards.
-    ``refs``: the exact model's ``measure.run`` of each batch (:class:`CrossFitJudge` keeps them).
+@dataclass
+class Verdict:
+    """A linear set's loss on the judging images: the whole set's, and each image's (for the
+    paired comparisons of :mod:`~latte_plugin.core.choice`)."""
 
-    The kernel scalars (two per layer) are fitted on the fit images and not cross-fitted.
+    loss: float
+    per_image: Tensor  # (images,) in global position order
+
+
+def cross_fitted(layers: dict[str, LatteParams], corrections: dict[str, FittedCorrection], batches: list,
+                 fold_of: dict[int, int], measure: Any, reduce: AllReduce, refs: list) -> Callable[[list[str]], Verdict]:
+    """``linear layers -> Verdict`` of ``measure`` on ``batches``, each image run with every linear
+    layer's output correction chosen and fitted *without* that image's fold
+    (:class:`~latte_plugin.core.calibration.FittedCorrection`), so no image judges a correction
+    fitted on it. The full corrections are restored afterwards. ``refs``: the exact model's
+    ``measure.run`` of each batch (:class:`CrossFitJudge` keeps them).
+
+    The kernel scalars (two per layer or head) are fitted on every fit image and not cross-fitted.
     """
     folds = sorted({fold_of[p] for p, _ in batches})
+    size = max(fold_of) + 1 if fold_of else 0
 
-    def loss(linear: list[str]) -> float:
+    def verdict(linear: list[str]) -> Verdict:
         set_modes(layers, linear)
-        acc = measure.zeros()
+        zero = measure.zeros()
+        rows = torch.zeros(size, zero.numel() + 1, dtype=torch.float64)  # per image: sums, then "judged"
         try:
             for f in folds:
                 for n in linear:
-                    kind, _, per_fold = corrections[n]
-                    set_correction(layers[n], kind, per_fold[f])
+                    set_correction(layers[n], *corrections[n].folds[f])
                 for (p, b), r in zip(batches, refs):
                     if fold_of[p] == f:
-                        acc = acc + measure.sums(r, measure.run(b))
+                        rows[p, :-1] += measure.sums(r, measure.run(b)).double().reshape(-1)
+                        rows[p, -1] = 1.0
         finally:
             for n in linear:
-                kind, full, _ = corrections[n]
-                set_correction(layers[n], kind, full)
-        return measure.loss(reduce(acc))
+                set_correction(layers[n], corrections[n].kind, corrections[n].weights)
+        rows = reduce(rows)
+        judged = [r[:-1].to(zero.dtype).reshape(zero.shape) for r in rows[rows[:, -1] > 0]]
+        total = sum(judged, zero)
+        return Verdict(measure.loss(total), torch.tensor([measure.loss(r) for r in judged], dtype=torch.float64))
 
-    return loss
+    return verdict
 
 
 class CrossFitJudge:
-    """:func:`cross_fitted` with the exact model's outputs computed once per measure and each
-    set's loss under the fitted corrections remembered (the selection, the compensation and
-    the target ask for some sets more than once)."""
+    """:func:`cross_fitted` on fixed images, with the exact model's outputs computed once per
+    measure and each (measure, rule, set)'s verdict remembered (the searches, the choice of
+    configuration, the compensation and the target ask for some sets more than once)."""
 
-    def __init__(self, layers: dict[str, LatteParams], corrections: dict, batches: list, fold_of: dict[int, int],
+    def __init__(self, layers: dict[str, LatteParams], batches: list, fold_of: dict[int, int],
                  reduce: AllReduce) -> None:
-        self.layers, self.corrections, self.batches, self.fold_of, self.reduce = (
-            layers, corrections, batches, fold_of, reduce)
+        self.layers, self.batches, self.fold_of, self.reduce = layers, batches, fold_of, reduce
         self._refs: dict[str, list] = {}
-        self._memo: dict[tuple, float] = {}
+        self._memo: dict[tuple, Verdict] = {}
 
-    def __call__(self, measure: Any, corrections: Optional[dict] = None) -> Callable[[list[str]], float]:
-        """``linear layers -> cross-fitted loss``; ``corrections`` replaces the fitted ones (not remembered)."""
+    def __call__(self, measure: Any, corrections: dict[str, FittedCorrection],
+                 key: Optional[str] = None) -> Callable[[list[str]], Verdict]:
+        """``linear layers -> Verdict`` under ``corrections``; remembered by ``key`` when given."""
         if measure.name not in self._refs:
             set_modes(self.layers, [])
             self._refs[measure.name] = [measure.run(b) for _, b in self.batches]
-        loss = cross_fitted(self.layers, corrections or self.corrections, self.batches, self.fold_of, measure,
-                            self.reduce, self._refs[measure.name])
-        if corrections is not None:
-            return loss
+        judge = cross_fitted(self.layers, corrections, self.batches, self.fold_of, measure, self.reduce,
+                             self._refs[measure.name])
+        if key is None:
+            return judge
 
-        def remembered(linear: list[str]) -> float:
-            key = (measure.name, frozenset(linear))
-            if key not in self._memo:
-                self._memo[key] = loss(linear)
-            return self._memo[key]
+        def remembered(linear: list[str]) -> Verdict:
+            memo = (measure.name, key, frozenset(linear))
+            if memo not in self._memo:
+                self._memo[memo] = judge(linear)
+            return self._memo[memo]
 
         return remembered
 
-    def forget(self) -> None:
-        """Drops the remembered losses (after the fitted corrections changed)."""
-        self._memo.clear()
-
-
-def judge_images(split: CalibrationSplit, reduce: AllReduce) -> list:
-    """This rank's images that judge selections: fit and choice images the greedy and backward
-    searches did not see (all fit and choice images if, across ranks, that leaves none)."""
-    seen = {p for p, _ in split.greedy}
-    images = sorted(split.fit + split.choose, key=lambda pb: pb[0])
-    unseen = [pb for pb in images if pb[0] not in seen]
-    return unseen if float(reduce(torch.tensor([float(len(unseen))], dtype=torch.float64))[0]) > 0 else images
+def image_counts(split: CalibrationSplit, reduce: AllReduce) -> dict:
+    """How many images (across ranks) searched, compared outputs in the searches, and judged."""
+    local = torch.tensor([float(len(split.search)), float(len(split.greedy)), float(len(split.judge))],
+                         dtype=torch.float64)
+    search, greedy, judged = (int(x) for x in reduce(local).tolist())
+    return {"search_images": search, "greedy_images": greedy, "judge_images": judged}

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["backward_select", 
+__all__ = ["backward_select", "candidate_sets", "LastOutput",
     "naive_sensitivity_score",
     "SensitivityStats",
     "num_linear_layers",
@@ -136,3 +136,35 @@ def backward_select(
         linear.remove(best)
         trace.append({"step": step, "restored": best, "distortion": best_d})
     return linear, trace
+
+
+def candidate_sets(methods: Sequence[str], layers: Sequence[str], sens: dict[str, float],
+                    ks: Sequence[int], distortion: Callable[[list[str]], float]) -> tuple[dict, dict]:
+    """Each method's linear set for each count in ``ks``: ``({(method, k): layers}, {method: trace})``.
+
+    Every method is nested (the set for ``k`` holds the set for ``k - 1``), so one run per
+    method gives every count: greedy adds up to ``max(ks)``, backward restores down to ``min(ks)``.
+    """
+    names, sets, traces = list(layers), {}, {}
+    for m in methods:
+        if m == "score":
+            order, traces[m] = select_by_score(sens, len(names)), []
+            sets.update({(m, k): order[:k] for k in ks})
+        elif m == "greedy":
+            order, traces[m] = greedy_select(names, max(ks), distortion)
+            sets.update({(m, k): order[:k] for k in ks})
+        else:
+            _, traces[m] = backward_select(names, min(ks), distortion)
+            restored = [t["restored"] for t in traces[m] if t["restored"] is not None]
+            sets.update({(m, k): [n for n in names if n not in restored[: len(names) - k]] for k in ks})
+    return {key: [n for n in names if n in chosen] for key, chosen in sets.items()}, traces
+
+
+class LastOutput:
+    """A layer probe (``LatteParams.probe``) that keeps the last output it saw in ``store[name]``."""
+
+    def __init__(self, store: dict, name: str) -> None:
+        self.store, self.name = store, name
+
+    def __call__(self, out: Tensor) -> None:
+        self.store[self.name] = out.detach()

@@ -20,8 +20,8 @@ from .selection import num_linear_layers
 __all__ = ["LatteConfig", "SELECTIONS", "CALIBRATE", "COMPENSATE", "INFERENCE_MODES", "needs_calibration",
            "apply_inference_settings"]
 
-#: Layer selections; ``auto`` picks, per model, whichever of the others distorts the model's
-#: outputs least on the choice images.
+#: Layer selections; ``auto`` compares the others as parts of whole configurations, judged end to
+#: end by cross-fitting (``core.choice``).
 SELECTIONS = ("score", "greedy", "backward", "auto")
 #: When a model calibrates: ``auto`` only if its LATTE layers hold no calibrated state,
 #: ``always`` even if they do, ``never`` (an uncalibrated model is then an error).
@@ -70,8 +70,9 @@ class LatteConfig:
                                    "lowest cross-fitted error)", CORRECTIONS)
     refit_reg: Sequence[float] = _opt(REFIT_REGS, "candidate ridge strengths of the refit, relative to the input "
                                                   "energy (chosen on held-out images)")
-    holdout: float = _opt(0.25, "fraction of calibration images held out, in [0, 1): half of them choose the "
-                                "knobs, the other half only report held-out errors; 0 disables")
+    holdout: float = _opt(0.0, "fraction of calibration images held out, in [0, 1): half of them choose the "
+                               "L-BFGS step count, the other half only report held-out errors and are never "
+                               "fitted on; 0 (the default) fits every image and reports cross-fitted figures")
     per_head: bool = _opt(False, "fit one (alpha, rho) per head instead of one per layer")
     sequential: bool = _opt(False, "fit layer l on inputs from the model with the layers before it already linear")
     compensate: str = _opt("auto", "error compensation after the selection: refit each linear layer's output "
@@ -79,14 +80,16 @@ class LatteConfig:
                                    "keeps it only if its cross-fitted output error is lower", COMPENSATE)
     selection: str = _opt("auto", "greedy (add the layer that hurts the final output least), backward (start "
                                   "all-linear, restore the most harmful), score (the paper's per-layer score), or "
-                                  "auto (the one of these with the lowest cross-fitted output error)",
+                                  "auto (compare them, each with every correction rule, end to end by cross-fitting; "
+                                  "the paper's score with sigma is kept unless another wins by more than its noise)",
                           SELECTIONS)
     target: Optional[float] = _opt(None, "fidelity budget in (0, 1) instead of a count: the most layers whose "
                                          "cross-fitted fidelity loss stays within it; for detectors 1 - agreement "
                                          "of the detections with the exact model's (0.05 keeps 95 percent), else the "
                                          "relative raw-output distortion (ratio and num_linear are then ignored)")
     lam: float = _opt(10.0, "lambda of the sensitivity score")
-    greedy_images: int = _opt(8, "calibration images the global selections compare outputs on")
+    greedy_images: int = _opt(8, "calibration images the greedy and backward searches compare outputs on (at most "
+                                 "the first half of the images when configurations are compared: the rest judge)")
     mode: str = _opt("linear", "mode of the selected layers at inference: linear, or dynamic (softmax below "
                                "threshold keys); applies to a loaded calibration too", INFERENCE_MODES)
     # Crossover measured by benchmarks/attention.py on 2 idle CPU cores (fp32, 8 heads of 32):

@@ -59,8 +59,8 @@ ROWS = [
     Row("ours:backward", {"selection": "backward"}),
     Row("ours:sequential", {"sequential": True}),
     Row("ours:compensate=never", {"compensate": "never"}),
-    # the defaults before the adaptive choices (issue #13): fixed greedy + ridge refit
-    Row("old default", {"selection": "greedy", "correction": "refit", "compensate": "never"}),
+    # the defaults before the adaptive choices (issue #13): fixed greedy + ridge refit, a quarter held out
+    Row("old default", {"selection": "greedy", "correction": "refit", "compensate": "never", "holdout": 0.25}),
     Row("ours:compensate=always", {"compensate": "always"}),
     Row("ours:auto@83%", {"ratio": 0.83, "num_linear": None}),
     Row("ours:score@83%", {"selection": "score", "ratio": 0.83, "num_linear": None}),

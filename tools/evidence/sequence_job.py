@@ -38,8 +38,11 @@ from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch  # noqa: E
 
 CANDIDATES = ["encoder.layers.*.self_attn"]
 PAPER = {"selection": "score", "holdout": 0.0, "correction": "sigma", "compensate": "never"}
+#: The defaults before issue 26: fixed greedy + ridge refit, no compensation, a quarter of the images held out.
+PREVIOUS = {"selection": "greedy", "correction": "refit", "compensate": "never", "holdout": 0.25}
 ROWS = [("exact", None), ("uniform", None),
         ("paper latte", dict(PAPER)), ("paper qtvit", dict(PAPER, variant="qtvit")),
+        ("previous defaults", dict(PREVIOUS)),
         ("ours:auto", {}), ("ours:compensate=never", {"compensate": "never"})]
 ROWS += [(f"{c}+{s}", {"correction": c, "selection": s})
          for c in ("none", "sigma", "refit", "auto") for s in ("score", "greedy", "backward", "auto")
@@ -74,6 +77,7 @@ def run_row(name: str, changes, exact_model, calib: list, test: tuple, exact_poo
     if report is not None:
         sel = report["selection"]
         row.update(linearized=report["linearized"], selection=sel.get("chosen", sel["method"]),
+                   configuration=sel.get("configuration"),
                    corrections={n: f.get("correction") for n, f in report["fit"].items() if n in report["linearized"]},
                    compensated=(sel.get("compensation") or {}).get("kept", False))
     return row

@@ -1,0 +1,162 @@
+"""Whole configurations judged end to end by cross-fitting, and the noise rule (issue 26).
+
+* a constructed model where a search measured with in-sample corrections is fooled (a wide
+  layer whose refit memorises the few calibration rows) and the cross-fitted search is not;
+* the paper's protocol is kept when it is the better configuration end to end;
+* the noise rule keeps the paper's choice on a near-tie and moves away on a clear gain;
+* ``target=`` is re-judged after compensation.
+"""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_mha
+from latte_plugin.core.choice import NOISE_Z, choose_configuration, naive_paired_gain, paired_gain
+from latte_plugin.core.judge import Verdict, output_distortion
+from tests.toy import ToyEncoder, toy_batches
+
+
+class TwoBranch(nn.Module):
+    """Two attention branches summed into the output: ``a.attn`` is wide (96 channels: its
+    ridge refit has 97 weights per channel, more than the 64 rows 8 images record), ``b.attn``
+    narrow (16 channels)."""
+
+    def __init__(self, dim: int = 16, wide: int = 96, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.up = nn.Linear(dim, wide)
+        self.a, self.b = nn.Module(), nn.Module()
+        self.a.attn = nn.MultiheadAttention(wide, 4, batch_first=True)
+        self.b.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head_a, self.head_b = nn.Linear(wide, 5), nn.Linear(dim, 5)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.head_a(self.a.attn(h, h, h)[0]) + self.head_b(self.b.attn(x, x, x)[0])
+
+
+def _sequences(n: int, seed: int, tokens: int = 8, dim: int = 16) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, tokens, dim, generator=g) for _ in range(n)]
+
+
+@torch.no_grad()
+def test_a_search_fooled_by_in_sample_corrections_is_not_fooled_when_cross_fitted():
+    """Measured with the corrections fitted on the very images that measure it (what the greedy
+    search did before), the wide layer looks the better one to make linear: its refit
+    memorises the 64 recorded rows. On 64 other sequences it is by far the worse. The
+    greedy search, measuring each image with corrections fitted without its fold, picks the
+    narrow layer."""
+    model = TwoBranch().eval()
+    swap_mha(model, ["a.attn", "b.attn"])
+    calibration, fresh = _sequences(8, seed=1), _sequences(64, seed=2)
+    cfg = LatteConfig(candidates=["a.attn", "b.attn"], num_linear=1, selection="greedy", correction="refit",
+                      refit_reg=(1e-4,), compensate="never", greedy_images=8, steps=5, max_queries=8)
+    rep = calibrate_model(model, calibration, lambda b: model(b), cfg, log=lambda s: None)
+    layers = find_latte_layers(model)
+    in_sample = output_distortion(layers, list(enumerate(calibration)), lambda b: model(b), lambda t: t)
+    out_of_sample = output_distortion(layers, list(enumerate(fresh)), lambda b: model(b), lambda t: t)
+    assert in_sample(["a.attn"]) < 0.5 * in_sample(["b.attn"])  # the in-sample measure is fooled
+    assert out_of_sample(["a.attn"]) > 10 * out_of_sample(["b.attn"])  # ... by a layer that generalises badly
+    assert rep["linearized"] == ["b.attn"] and rep["selection"]["greedy_images"] == 8
+
+
+def _run_toy(**kw):
+    model = ToyEncoder().eval()
+    swap_mha(model, ["layers.*.attn"])
+    rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b),
+                          LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, **kw), log=lambda s: None)
+    return model, rep
+
+
+@torch.no_grad()
+def test_the_papers_protocol_is_kept_when_it_is_the_better_configuration(monkeypatch):
+    """The searches are made to return the worst set (the one of highest distortion on the search
+    images), so the paper's score set is the better configuration end to end: it is the one
+    applied, and it is better on images no step of the calibration saw."""
+    import itertools
+
+    import latte_plugin.core.flow as flow
+
+    real = flow.candidate_sets
+
+    def worst_for_searches(methods, layers, sens, ks, distortion):
+        sets, traces = real(methods, layers, sens, ks, distortion)
+        for k in ks:
+            worst = max(itertools.combinations(list(layers), k), key=lambda s: distortion(list(s)))
+            sets.update({(m, k): [n for n in layers if n in worst] for m in methods if m != "score"})
+        return sets, traces
+
+    monkeypatch.setattr(flow, "candidate_sets", worst_for_searches)
+    model, rep = _run_toy(ratio=0.5, correction="sigma", compensate="never")
+    cmp = rep["selection"]["comparison"]
+    assert cmp["reference"] == "score+sigma" == rep["selection"]["configuration"] == cmp["best"]
+    assert cmp["losses"]["score+sigma"] < cmp["losses"]["greedy+sigma"]
+    layers = find_latte_layers(model)
+    fresh = list(enumerate(toy_batches(n=8, seed=5)))
+    after = output_distortion(layers, fresh, lambda b: model(b), lambda t: t)
+    assert cmp["layers"]["score+sigma"] == rep["linearized"] != cmp["layers"]["greedy+sigma"]
+    assert after(rep["linearized"]) < after(cmp["layers"]["greedy+sigma"])
+
+
+def _verdicts(ref: list, other: list) -> dict:
+    t = torch.tensor
+    return {"score+sigma": Verdict(float(sum(ref) / len(ref)), t(ref, dtype=torch.float64)),
+            "greedy+auto": Verdict(float(sum(other) / len(other)), t(other, dtype=torch.float64))}
+
+
+def test_the_noise_rule_keeps_the_papers_choice_on_a_near_tie_and_moves_on_a_clear_gain():
+    # near tie: the other is lower on average, but its per-image gains are mostly noise
+    ref = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    noisy = [0.5, 2.6, 2.4, 4.7, 4.3, 6.1]
+    chosen, info = choose_configuration(_verdicts(ref, noisy))
+    assert info["best"] == "greedy+auto" and info["gain"] > 0 and info["gain"] < NOISE_Z * info["standard_error"]
+    assert chosen == "score+sigma"
+    # a clear gain: lower on every image
+    chosen, info = choose_configuration(_verdicts(ref, [r * 0.8 for r in ref]))
+    assert chosen == "greedy+auto" and info["gain"] > NOISE_Z * info["standard_error"]
+    # exact ties and a single image keep the reference (no noise estimate from one image)
+    assert choose_configuration(_verdicts(ref, ref))[0] == "score+sigma"
+    assert choose_configuration(_verdicts([1.0], [0.1]))[0] == "score+sigma"
+    # the paper's own win
+    assert choose_configuration(_verdicts([0.1] * 3, [1.0, 2.0, 3.0]))[0] == "score+sigma"
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 40])
+def test_paired_gain_matches_its_naive_reference(n):
+    g = torch.Generator().manual_seed(n)
+    ref, cand = torch.rand(n, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
+    mean, se = paired_gain(ref, cand)
+    nmean, nse = naive_paired_gain(ref.tolist(), cand.tolist())
+    assert mean == pytest.approx(nmean, rel=1e-12, abs=1e-15)
+    assert (math.isinf(se) and math.isinf(nse)) or se == pytest.approx(nse, rel=1e-12)
+
+
+@torch.no_grad()
+def test_a_near_tie_on_the_toy_encoder_keeps_the_reference():
+    """Every configuration with the same linear set and rule ties: the reference is kept."""
+    _, rep = _run_toy(ratio=0.5, correction="sigma", selection="auto", compensate="never")
+    cmp = rep["selection"]["comparison"]
+    same = [n for n, v in cmp["losses"].items() if v == cmp["losses"]["score+sigma"]]
+    if cmp["best"] in same:
+        assert rep["selection"]["configuration"] == "score+sigma"
+    assert rep["selection"]["configuration"] in (cmp["reference"], cmp["best"])
+
+
+@torch.no_grad()
+def test_target_is_rejudged_after_compensation():
+    """With target= and compensate='auto', a kept compensation's fidelity loss is within the target."""
+    _, rep = _run_toy(target=0.05, correction="refit", refit_reg=(0.01,))
+    sel = rep["selection"]
+    comp = sel.get("compensation")
+    if comp is not None and "target_loss" in comp:
+        assert comp["kept"] == (comp["target_loss"] <= 0.05 and
+                                comp["crossfit_distortion"]["compensated"] < comp["crossfit_distortion"]["plain"])
+    assert sel["k"] == len(rep["linearized"])
+    if rep["linearized"]:
+        assert sel["heldout"]["kind"] == "cross-fitted"

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Do the defaults ever lose? The package defaults against the paper's protocol and the
+previous defaults, on generated splits no choice in the project has seen, at several budgets.
+
+    python tools/evidence/sweep_defaults.py [--seeds 101 202 303 404 505] [--budgets 8 16 32 64]
+        [--models cond_detr rtdetr] [--sequence-budgets 8 128] [--results results/sweep_defaults.json]
+
+For each seed: a split generated with it (``data/sweep/seed<N>``: 200 train, 300 val images
+at 256x256), and for each embedded detector the exact model and, at each budget (the first N
+train images of the calibration sampler's order), the rows ``latte`` (the paper's protocol),
+``old default`` (the previous defaults: greedy + refit, no compensation, a quarter held out),
+``ours:auto`` and ``ours:auto@83%``, each scored by mmdet's CocoMetric on the split's val
+images. The sequence model (``tools/evidence/sequence_task.py``) runs the same three
+configurations with each seed's calibration sequences at each sequence budget (one per batch),
+scored on 2,000 test sequences by the cosine of its pooled output to the exact model's.
+
+The results file is rewritten after every row (atomic), and a run given the same file resumes
+where it stopped. Nothing here chooses anything: the seeds were picked before any run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
+
+from latte_plugin.core.io import atomic_write_json  # noqa: E402
+
+MODELS = {"cond_detr": ("configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py", "checkpoints/cond_detr_r18_synthetic.pth"),
+          "rtdetr": ("configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py", "checkpoints/rtdetr_r18_synthetic.pth")}
+#: sweep row -> main-job row
+DETECTOR_ROWS = {"paper": "latte", "previous": "old default", "ours": "ours:auto", "ours@83%": "ours:auto@83%"}
+SPLIT = {"train": 200, "val": 300, "size": 256}
+
+
+def _load(path: str) -> dict:
+    import json
+
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return {"entries": []}
+
+
+def _done(results: dict, **key) -> bool:
+    return any(all(e.get(k) == v for k, v in key.items()) for e in results["entries"])
+
+
+def _record(results: dict, path: str, entry: dict) -> None:
+    results["entries"].append(entry)
+    if path:
+        atomic_write_json(results, path)
+    from latte_plugin.console import say
+
+    say(" ".join(f"{k}={v}" for k, v in entry.items() if k in ("model", "seed", "budget", "row", "bbox_mAP", "kept",
+                                                                 "cosine", "configuration")))
+
+
+def _split(seed: int) -> str:
+    from latte_plugin.data.synthetic import make_synthetic_coco
+
+    root = os.path.join(ROOT, "data", "sweep", f"seed{seed}")
+    make_synthetic_coco(root, SPLIT["train"], SPLIT["val"], SPLIT["size"], seed)
+    return root
+
+
+def _choice(rep: dict) -> dict:
+    sel = rep.get("selection", {})
+    return {"linearized": rep.get("linearized"), "configuration": sel.get("configuration"),
+            "comparison": {k: v for k, v in (sel.get("comparison") or {}).items() if k != "layers"},
+            "compensated": bool((sel.get("compensation") or {}).get("kept"))}
+
+
+def sweep_detector(model: str, seed: int, budgets: list, results: dict, path: str) -> None:
+    """The exact row and every (budget, row) not yet in ``results`` for one model and split."""
+    from main_job import build
+    from main_job_rows import ROWS, run_row
+
+    rows = {r.name: r for r in ROWS}
+    todo = [(b, r) for b in budgets for r in DETECTOR_ROWS if not _done(results, model=model, seed=seed, budget=b, row=r)]
+    if not todo and _done(results, model=model, seed=seed, row="exact"):
+        return
+    config, ckpt = MODELS[model]
+    args = argparse.Namespace(config=config, checkpoint=ckpt, data_root=_split(seed), num_images=max(budgets),
+                              work_dir=os.path.join(ROOT, "work_dirs", "sweep", f"{model}_seed{seed}"))
+    runner, base, batches = build(args)
+    exact = next((e for e in results["entries"] if e["model"] == model and e["seed"] == seed and e["row"] == "exact"), None)
+    if exact is None:
+        r = run_row(runner, batches, base, rows["exact"], {}, 1, None)
+        exact = {"model": model, "seed": seed, "budget": None, "row": "exact", "bbox_mAP": r["bbox_mAP"], "kept": 1.0}
+        _record(results, path, exact)
+    for budget, name in todo:
+        reports: dict = {}
+        row = rows[DETECTOR_ROWS[name]]
+        r = run_row(runner, batches[:budget], dataclasses.replace(base, num_images=budget), row, reports, 1, None)
+        _record(results, path, {"model": model, "seed": seed, "budget": budget, "row": name, "bbox_mAP": r["bbox_mAP"],
+                                "kept": r["bbox_mAP"] / exact["bbox_mAP"], "linear": r["linear"],
+                                "calibration_seconds": round(r["calibration_seconds"], 1),
+                                **_choice(reports.get(row.name, {}))})
+
+
+def sweep_sequence(seed: int, budgets: list, results: dict, path: str) -> None:
+    """The sequence model's three configurations at each budget, calibrated on ``seed``'s sequences."""
+    import torch
+
+    import sequence_job as job
+    import sequence_task as task
+    from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch
+
+    todo = [(b, r) for b in budgets for r in ("paper", "previous", "ours")
+            if not _done(results, model="sequence", seed=seed, budget=b, row=r)]
+    if not todo:
+        return
+    spec, exact = RetrievalSpec(), task.load(task.CHECKPOINT)
+    tokens, _ = retrieval_batch(spec, max(budgets), seed)
+    test = retrieval_batch(spec, 2000, task.TEST_SEED)
+    with torch.no_grad():
+        exact_pooled = torch.cat([exact(test[0][i:i + 500])[1] for i in range(0, 2000, 500)])
+    changes = {"paper": job.PAPER, "previous": job.PREVIOUS, "ours": {}}
+    for budget, name in todo:
+        r = job.run_row(name, changes[name], exact, list(tokens[:budget].split(1)), test, exact_pooled)
+        _record(results, path, {"model": "sequence", "seed": seed, "budget": budget, "row": name,
+                                "cosine": r["cosine"], "accuracy": r["accuracy"], "linearized": r.get("linearized"),
+                                "configuration": r.get("configuration")})
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[101, 202, 303, 404, 505])
+    p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS) + ["none"])
+    p.add_argument("--sequence-budgets", type=int, nargs="*", default=[8, 128])
+    p.add_argument("--results", help="results file (resumed if it exists), e.g. results/sweep_defaults.json")
+    a = p.parse_args(argv)
+    from latte_plugin.console import quiet
+
+    results, t0 = _load(a.results), time.time()
+    results.update(command="python tools/evidence/sweep_defaults.py " + " ".join(argv or sys.argv[1:]),
+                   split=SPLIT, rows=DETECTOR_ROWS)
+    for seed in a.seeds:
+        if a.sequence_budgets:
+            sweep_sequence(seed, a.sequence_budgets, results, a.results)
+        for model in (m for m in a.models if m != "none"):
+            with quiet(os.path.join(ROOT, "work_dirs", "sweep", "sweep.log")):
+                sweep_detector(model, seed, a.budgets, results, a.results)
+    results["seconds"] = results.get("seconds", 0.0) + round(time.time() - t0, 1)
+    if a.results:
+        atomic_write_json(results, a.results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
