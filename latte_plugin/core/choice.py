@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from .judge import Verdict
@@ -56,9 +57,16 @@ def configuration_name(method: str, rule: str, compensated: bool = False) -> str
     return f"{method}+{rule}" + ("+compensation" if compensated else "")
 
 
+def _floor(ref: Sequence[float]) -> float:
+    """What is added to every loss before the logarithm: a thousandth of the reference's mean
+    per-image loss (so an image that both leave unchanged adds no evidence either way)."""
+    return 1e-3 * sum(ref) / max(1, len(ref)) + 1e-12
+
+
 def naive_paired_gain(ref: Sequence[float], cand: Sequence[float]) -> tuple[float, float]:
     """Reference for :func:`paired_gain`, in plain Python."""
-    d = [r - c for r, c in zip(ref, cand)]
+    eps = _floor(list(ref))
+    d = [math.log((r + eps) / (c + eps)) for r, c in zip(ref, cand)]
     n = len(d)
     if n < 2:
         return (d[0] if d else 0.0), math.inf
@@ -68,16 +76,21 @@ def naive_paired_gain(ref: Sequence[float], cand: Sequence[float]) -> tuple[floa
 
 
 def paired_gain(ref: Tensor, cand: Tensor) -> tuple[float, float]:
-    """Mean per-image loss the candidate saves over the reference, and its standard error.
+    """The candidate's paired per-image gain over the reference, on a log scale, and its standard error.
+
+    Output errors spread over orders of magnitude from image to image, and a configuration
+    changes them by factors, so each image contributes ``log(ref / cand)`` (both floored by
+    :func:`_floor`): one heavy image cannot decide alone, and ``exp(gain)`` is the typical factor.
 
     Args:
         ref, cand: ``(images,)`` per-image losses on the same images, in the same order.
 
     Returns:
-        ``(mean of ref - cand, its standard error)``; the error is infinite with fewer than two
+        ``(mean log ratio, its standard error)``; the error is infinite with fewer than two
         images (no noise estimate: nothing can beat the reference).
     """
-    d = (ref - cand).double()
+    eps = _floor(ref.tolist())
+    d = torch.log((ref.double() + eps) / (cand.double() + eps))
     if d.numel() < 2:
         return (float(d.sum()), math.inf)
     return float(d.mean()), float(d.std(unbiased=True) / math.sqrt(d.numel()))
@@ -88,7 +101,7 @@ def choose_configuration(verdicts: dict[str, Verdict], z: float = NOISE_Z) -> tu
 
     The reference is the first candidate in ``verdicts``; the best is the one of lowest loss
     (earlier wins ties). The best replaces the reference only if its paired per-image gain
-    exceeds ``z`` standard errors.
+    (:func:`paired_gain`, log scale) exceeds ``z`` standard errors.
 
     Args:
         verdicts: ``{configuration name: Verdict}`` on the same judging images, reference first.

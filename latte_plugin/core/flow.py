@@ -8,21 +8,20 @@ apply -> report (``docs/architecture.md``, ``docs/method.md``). An adapter
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .calibration import (CORRECTION_RULES, AllReduce, FitResult, FittedCorrection, LayerRecorder, fit_correction,
+from .calibration import (CORRECTION_RULES, AllReduce, FittedCorrection, LayerRecorder, fit_correction,
                           fit_layer, no_reduce, set_correction, share_items)
 from .choice import Configuration, choose_configuration, target_count
 from .fidelity import RawDistortion
-from .flops import attention_gflops
-from .judge import (ROLES, CalibrationSplit, CrossFitJudge, fold_assignment, image_counts, measured, output_distortion,
-                    split_calibration)
+from .judge import ROLES, CalibrationSplit, CrossFitJudge, fold_assignment, measured, output_distortion, split_calibration
 from .layer import LatteParams, find_latte_layers, set_modes
-from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_layers
+from .report import build_report, fit_entry
+from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_layers, scores, select_by_score
 from .settings import LatteConfig
 
 __all__ = ["calibrate_model", "AUTO_SELECTIONS"]
@@ -68,18 +67,23 @@ def calibrate_model(
     run = _start(model, batches, forward, cfg, all_reduce or no_reduce, log, progress, shard, positions)
     fidelity = fidelity or RawDistortion(forward, relative=True)
     fits, corrections, targets = _calibrate_layers(run)
-    sens, shapes = _score_sensitivity(run, run.split.search, corrections[cfg.correction])
+    stats, tokens = _score_stats(run, run.split.search, corrections[cfg.correction])
     k = num_linear_layers(len(run.layers), cfg.ratio, cfg.num_linear)
     judge = CrossFitJudge(run.layers, run.split.judge, run.fold_of, run.reduce)
-    chosen, trace, how = _select_configuration(run, sens, k, corrections, judge, fidelity)
+    chosen, trace, how = _select_configuration(run, scores(stats, cfg.lam), k, corrections, judge, fidelity)
     k = len(chosen.layers) if cfg.target is not None else k
+    if chosen.method == "score" and chosen.layers and run.split.judge_apart:
+        chosen, stats, tokens = _rescore(run, chosen, stats, tokens, corrections)
+        how["rescored"] = "the score set taken again from the search and judging images' summed score"
     if chosen.layers and targets is not None and cfg.compensate != "never":
         chosen, how["compensation"] = _choose_compensation(run, chosen, targets, corrections, judge, fidelity, fits)
     _install_corrections(run, chosen, corrections, fits)
     held = _heldout_figures(run, chosen, corrections, judge, fidelity)
+    sens = scores(stats, cfg.lam)
     _apply_selection(run, chosen.layers, sens)
     model.train(was_training)
-    report = _build_report(run, k, chosen.layers, sens, fits, trace, shapes, held.get("raw_mse"))
+    report = build_report(run.layers, cfg, run.split, run.reduce, k, chosen.layers, sens, fits, trace, tokens,
+                          held.get("raw_mse"))
     report["selection"].update(how, configuration=chosen.name, heldout=held)
     return report
 
@@ -194,7 +198,7 @@ def _fit_layers(run: _Run, group: list[str], recs: dict) -> tuple[dict, dict]:
         res = fit_layer(layer, recs["fit"][n].items, cfg.steps, cfg.lr, cfg.correction, no_reduce, cfg.per_head,
                         choose=recs["choose"][n].items, report=recs["report"][n].items,
                         refit_regs=tuple(run.cfg.refit_reg), fold_of=run.fold_of, rules=run.rules)
-        fits[n] = _fit_entry(res)
+        fits[n] = fit_entry(res)
         for rule in run.rules:
             corrections[rule][n] = res.rules[rule]
         held = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e}"
@@ -203,25 +207,19 @@ def _fit_layers(run: _Run, group: list[str], recs: dict) -> tuple[dict, dict]:
     return fits, corrections
 
 
-def _fit_entry(res: FitResult) -> dict:
-    """A layer's fit, as the report holds it."""
-    return {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
-            "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
-            "heldout": res.heldout, "choice": res.choice, "correction": res.correction}
-
-
 def _exact_targets(recs: dict) -> dict[str, dict[int, Tensor]]:
     """``{layer: {item key: exact attention output}}`` of every role's records."""
     return {n: {it.key: it.target for role in ROLES for it in recs[role][n].items} for n in recs["fit"]}
 
 
-def _score_sensitivity(run: _Run, batches: list, corrections: dict[str, FittedCorrection]) -> tuple[dict, dict]:
-    """The paper's per-layer score (exact vs fully linear outputs, streamed) and each layer's
-    mean token count ``{layer: (N, N)}``, over ``batches`` (``docs/method.md#selection``); each
-    image's linear pass uses the corrections fitted without its fold."""
+def _score_stats(run: _Run, batches: list, corrections: dict[str, FittedCorrection]) -> tuple[dict, Tensor]:
+    """The paper's per-layer score statistics (exact vs fully linear outputs, streamed; summed
+    across ranks, so they add up over image sets) and ``(token rows, images)`` per layer, over
+    ``batches`` (``docs/method.md#selection``); each image's linear pass uses the corrections
+    fitted without its fold."""
     layers, names = run.layers, list(run.layers)
     stats = {n: SensitivityStats() for n in names}
-    tokens = torch.zeros(len(names), 2, dtype=torch.float64)  # (token rows, images) per layer
+    tokens = torch.zeros(len(names), 2, dtype=torch.float64)
     captured: dict[str, Tensor] = {}
     for n in names:
         layers[n].probe = LastOutput(captured, n)
@@ -246,9 +244,18 @@ def _score_sensitivity(run: _Run, batches: list, corrections: dict[str, FittedCo
             set_correction(layers[n], corrections[n].kind, corrections[n].weights)
     for n in names:
         stats[n].sums = run.reduce(stats[n].sums)
-    tokens = run.reduce(tokens)
-    shapes = {n: (int(round(float(tokens[i, 0] / tokens[i, 1]))),) * 2 for i, n in enumerate(names)}
-    return {n: stats[n].score(run.cfg.lam) for n in names}, shapes
+    return stats, run.reduce(tokens)
+
+
+def _rescore(run: _Run, chosen: Configuration, stats: dict, tokens: Tensor, corrections: dict) -> tuple:
+    """A chosen score configuration refitted on every image: the judging images' score statistics
+    join the search images', and the set is the ``k`` lowest of the summed score (item 3 of
+    ``docs/method.md#configurations``). Returns ``(configuration, stats, tokens)``."""
+    more, more_tokens = _score_stats(run, run.split.judge, corrections[chosen.rule])
+    for n, st in stats.items():
+        st.sums = st.sums + more[n].sums
+    layers = select_by_score(scores(stats, run.cfg.lam), len(chosen.layers))
+    return replace(chosen, layers=[n for n in run.layers if n in layers]), stats, tokens + more_tokens
 
 
 def _select_configuration(run: _Run, sens: dict[str, float], k: int, corrections: dict, judge: CrossFitJudge,
@@ -336,7 +343,7 @@ def _compensate_layers(run: _Run, chosen: Configuration, targets: dict) -> tuple
                 it.target = targets[n][it.key]
         res = fit_correction(run.layers[n], recs["fit"][n].items, chosen.rule, no_reduce,
                              recs["choose"][n].items, recs["report"][n].items, tuple(run.cfg.refit_reg), run.fold_of)
-        fits[n], corrections[n] = _fit_entry(res), res.rules[chosen.rule]
+        fits[n], corrections[n] = fit_entry(res), res.rules[chosen.rule]
         run.layers[n].mode = "linear"
     return fits, corrections
 
@@ -376,25 +383,3 @@ def _apply_selection(run: _Run, chosen: list[str], sens: dict[str, float]) -> No
         layer.threshold.fill_(int(run.cfg.threshold))
     for n in run.layers:
         run.log(f"[latte] {n}: sensitivity={sens[n]:.4e} -> {'LINEAR' if n in chosen else 'exact'}")
-
-
-def _build_report(run: _Run, k: int, chosen: list[str], sens: dict, fits: dict, trace: list, shapes: dict,
-                  heldout_distortion: Optional[float]) -> dict:
-    """The calibration report (``docs/method.md#report``)."""
-    layers, names = run.layers, list(run.layers)
-    return {
-        "variant": run.cfg.variant,
-        "candidates": names,
-        "sensitivity": sens,
-        "linearized": chosen,
-        "params": {n: layers[n].scalars() for n in names},
-        "sigma_mean": {n: float(layers[n].sigma.mean()) for n in names},
-        "fit": fits,
-        "selection": {"method": run.cfg.selection, "k": k, "trace": trace, "heldout_distortion": heldout_distortion,
-                      "images": dict(run.split.counts), **image_counts(run.split, run.reduce)},
-        "tokens": {n: shapes[n][0] for n in names},
-        "attention_gflops": {"exact": attention_gflops(shapes, layers, []),
-                             "linearized": attention_gflops(shapes, layers, chosen)},
-        "config": run.cfg.to_dict(),
-    }
-

@@ -48,6 +48,7 @@ class CalibrationSplit:
     greedy: list = field(default_factory=list)
     judge: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)
+    judge_apart: bool = False  # the judging images are not the search images (the same on every rank)
 
 
 def image_role(position: int, holdout: float) -> str:
@@ -93,6 +94,7 @@ def split_calibration(batches: Sequence[Any], positions: Sequence[int], cfg: Lat
     split.search = [(p, b) for p, b in used if rank[p] < half]
     split.greedy = [(p, b) for p, b in used if rank[p] < min(half, max(1, cfg.greedy_images))]
     split.judge = [(p, b) for p, b in used if rank[p] >= half] if half < n else list(used)
+    split.judge_apart = half < n
     return split
 
 

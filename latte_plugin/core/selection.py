@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["backward_select", "candidate_sets", "LastOutput",
+__all__ = ["backward_select", "candidate_sets", "LastOutput", "scores",
     "naive_sensitivity_score",
     "SensitivityStats",
     "num_linear_layers",
@@ -74,6 +74,11 @@ def num_linear_layers(num_candidates: int, ratio: Optional[float] = None, count:
     if not (0.0 < float(ratio) <= 1.0):
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
     return int(math.floor(ratio * num_candidates + 0.5))
+
+
+def scores(stats: dict[str, SensitivityStats], lam: float = 10.0) -> dict[str, float]:
+    """``{layer: the paper's score}`` from each layer's summed statistics."""
+    return {n: st.score(lam) for n, st in stats.items()}
 
 
 def select_by_score(scores: dict[str, float], k: int) -> list[str]:
