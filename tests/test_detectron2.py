@@ -190,7 +190,7 @@ def _launch_worker(out, data_root):
     loader = instantiate(cfg.model.calibration_loader)  # the COCO configs' loader: InferenceSampler, blocks per rank
     rep = d2p.calibrate_detector(model, loader, LatteConfig(candidates=["encoder.layers.*.self_attn"],
                                                             num_images=16, steps=5, max_queries=10000,
-                                                            max_items=12))
+                                                            max_items=12, correction="refit"))
     if comm.is_main_process():
         state = {k: v.clone() for k, v in model.state_dict().items() if ".latte." in k}
         torch.save({"linearized": rep["linearized"], "images": rep["selection"]["images"], "state": state}, out)

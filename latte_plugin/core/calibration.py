@@ -684,17 +684,15 @@ def fit_layer(
             each rule chooses among its candidates by cross-fitting over these folds, and the
             result holds, per fold, the rule chosen and fitted without it (:class:`FittedCorrection`).
             Without it, items are dealt round-robin.
-        rules: further correction rules to fit beside ``correction`` (``FitResult.rules``), for
-            the flow to compare whole configurations.
+        rules: further correction rules to fit beside ``correction`` (``FitResult.rules``).
 
     Raises:
         ValueError: no recorded items; an unknown correction.
     """
     if correction not in CORRECTIONS:
         raise ValueError(f"unknown output correction {correction!r}; choose one of {', '.join(CORRECTIONS)}")
-    counts = all_reduce(torch.tensor([float(len(items)), float(len(choose or [])), float(len(report or []))],
-                                     dtype=torch.float64))
-    if float(counts[0]) == 0:
+    n_fit, n_choose = (float(x) for x in all_reduce(torch.tensor([len(items), len(choose or [])], dtype=torch.float64)))
+    if n_fit == 0:
         raise ValueError("empty calibration set: no image reached the layer; give at least one image")
     fit_m = layer.variant in ("latte", "tte_only")
     alpha0 = min(softmax_weighted_mean_score(items, all_reduce), 1.0 - 1e-4)
@@ -702,12 +700,11 @@ def fit_layer(
     _reset(layer, m0)
     initial = reconstruction_error(layer, items, all_reduce, use_sigma=False)
     fit = _Stacked.of(items, all_reduce)
-    chooser = _Stacked.of(choose or [], all_reduce) if float(counts[1]) > 0 else None
+    chooser = _Stacked.of(choose or [], all_reduce) if n_choose > 0 else None
     start = grid_start(layer, fit, m0, fit_m, per_head, all_reduce)
     m, log_rho, n_steps, step_trace = lbfgs_refine(layer, fit, start, fit_m, steps, lr, per_head, all_reduce, chooser)
     layer.m.copy_(m.expand(layer.num_heads))
     layer.log_rho.copy_(log_rho.expand(layer.num_heads))
-
     res = fit_correction(layer, items, correction, all_reduce, choose, report, refit_regs, fold_of, rules)
     return replace(res, initial_mse=initial, alpha_init=alpha0, steps=n_steps,
                    choice={"steps": step_trace, **res.choice})

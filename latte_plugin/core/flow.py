@@ -283,6 +283,7 @@ def _select_configuration(run: _Run, sens: dict[str, float], k: int, corrections
         measure = fidelity
         k, info = target_count(run.methods, sets, ks, float(cfg.target),
                                judge(fidelity, corrections[cfg.correction], cfg.correction))
+        info["target"]["measure"] = fidelity.name
         if k == 0:
             return Configuration(run.methods[0], cfg.correction, []), [], {"chosen": run.methods[0], **info}
     configs = [Configuration(m, r, sets[(m, k)]) for m in run.methods for r in run.rules]
