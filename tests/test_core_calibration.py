@@ -334,8 +334,8 @@ def test_auto_correction_is_chosen_by_cross_fitting_per_layer():
 
 
 def test_auto_selection_and_accuracy_target():
-    """selection='auto' compares score / greedy / backward by cross-fitted error on images the
-    searches did not see and keeps the best; target= makes as many layers linear as the budget
+    """selection='auto' compares every (selection, correction rule) pair by cross-fitted error,
+    each half of the images judging the sets the other half's searches found; target= makes as many layers linear as the budget
     allows: the chosen count is within it and every larger count is not."""
     def run(**kw):
         model = ToyEncoder().eval()
@@ -351,10 +351,10 @@ def test_auto_selection_and_accuracy_target():
     assert set(cmp["losses"]) == {f"{m}+{r}" for m in ("score", "greedy", "backward") for r in ("sigma", "refit", "auto")}
     assert cmp["losses"][cmp["best"]] == min(cmp["losses"].values())
     assert sel["configuration"] in (cmp["reference"], cmp["best"]) and sel["chosen"] == sel["configuration"].split("+")[0]
-    # 16 images, none held out: the first 8 search (4 of them in the greedy and backward searches), 8 judge
-    assert (sel["search_images"], sel["greedy_images"], sel["judge_images"], cmp["images"]) == (8, 4, 8, 8)
-    assert sel["heldout"]["kind"] == "cross-fitted" and sel["heldout"]["images"] == 8
-    assert sel["heldout"]["raw_mse"] == sel["heldout_distortion"] > 0 and sel["heldout"]["fidelity"] > 0
+    # 16 images, none held out: two halves of 8, each searching on 2 (greedy_images // 2), every image judges
+    assert (sel["halves"], sel["greedy_images"], sel["judge_images"], cmp["images"]) == ([8, 8], 4, 16, 16)
+    assert sel["heldout"]["kind"] == "cross-fitted" and sel["heldout"]["images"] == 16
+    assert sel["heldout"]["raw_mse"] == sel["heldout_distortion"] > 0 and sel["heldout"]["fidelity"] is None
     counts = []
     for target in (1e-9, 1e-2, 0.999):  # a budget is in (0, 1)
         rep = run(target=target)

@@ -34,13 +34,14 @@ class Configuration:
     Attributes:
         method: ``score``, ``greedy`` or ``backward``; rule: ``sigma``, ``refit``, ``auto``,
             ``none``; layers: the linear layers (model order); compensated: error compensation
-            applied on top.
+            applied on top; k: how many layers go linear.
     """
 
     method: str
     rule: str
     layers: list
     compensated: bool = False
+    k: int = 0
 
     @property
     def name(self) -> str:
@@ -123,20 +124,20 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else math.inf
 
 
-def target_count(methods: Sequence[str], sets: dict, ks: Sequence[int], target: float,
-                 verdict: Callable[[list[str]], Any]) -> tuple[int, dict]:
+def target_count(methods: Sequence[str], ks: Sequence[int], target: float,
+                 verdict: Callable[[str, int], Any]) -> tuple[int, dict]:
     """From the most layers down: the first count where some method's set is within ``target``.
 
     Args:
-        methods: the selection methods; sets: ``{(method, k): layers}``; ks: the counts to try.
-        target: the fidelity budget; verdict: ``layers -> Verdict`` (remembered: methods may share sets).
+        methods: the selection methods; ks: the counts to try; target: the fidelity budget;
+        verdict: ``(method, count) -> Verdict`` (remembered: methods may share sets).
 
     Returns:
         ``(count, {"target": {target, k, losses: {k: {method: loss}}}})``; count 0 when none fits.
     """
     losses: dict[int, dict[str, float]] = {}
     for k in sorted(ks, reverse=True):
-        losses[k] = {m: verdict(sets[(m, k)]).loss for m in methods}
+        losses[k] = {m: verdict(m, k).loss for m in methods}
         if min(losses[k].values()) <= target:
             return k, {"target": {"target": target, "k": k, "losses": losses}}
     return 0, {"target": {"target": target, "k": 0, "losses": losses}}

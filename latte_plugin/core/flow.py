@@ -16,12 +16,13 @@ from torch import Tensor, nn
 
 from .calibration import (CORRECTION_RULES, AllReduce, FittedCorrection, LayerRecorder, fit_correction,
                           fit_layer, no_reduce, set_correction, share_items)
-from .choice import Configuration, choose_configuration, target_count
+from .choice import Configuration, choose_configuration, configuration_name, target_count
 from .fidelity import RawDistortion
-from .judge import ROLES, CalibrationSplit, CrossFitJudge, fold_assignment, measured, output_distortion, split_calibration
+from .judge import (ROLES, CalibrationSplit, CrossFitJudge, HalfSearch, across_halves, fold_assignment, measured,
+                    on_every_image, output_distortion, split_calibration)
 from .layer import LatteParams, find_latte_layers, set_modes
 from .report import build_report, fit_entry
-from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_layers, scores, select_by_score
+from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_layers, scores, select_by_score, summed_stats
 from .settings import LatteConfig
 
 __all__ = ["calibrate_model", "AUTO_SELECTIONS"]
@@ -67,23 +68,21 @@ def calibrate_model(
     run = _start(model, batches, forward, cfg, all_reduce or no_reduce, log, progress, shard, positions)
     fidelity = fidelity or RawDistortion(forward, relative=True)
     fits, corrections, targets = _calibrate_layers(run)
-    stats, tokens = _score_stats(run, run.split.search, corrections[cfg.correction])
     k = num_linear_layers(len(run.layers), cfg.ratio, cfg.num_linear)
-    judge = CrossFitJudge(run.layers, run.split.judge, run.fold_of, run.reduce)
-    chosen, trace, how = _select_configuration(run, scores(stats, cfg.lam), k, corrections, judge, fidelity)
-    k = len(chosen.layers) if cfg.target is not None else k
-    if chosen.method == "score" and chosen.layers and run.split.judge_apart:
-        chosen, stats, tokens = _rescore(run, chosen, stats, tokens, corrections)
-        how["rescored"] = "the score set taken again from the search and judging images' summed score"
+    ks = list(range(1, len(run.layers) + 1)) if cfg.target is not None else [k]
+    halves = [_search_half(run, i, corrections, ks) for i in range(len(run.split.halves))]
+    chosen, how = _select_configuration(run, halves, ks, k, corrections, fidelity)
+    k = chosen.k if cfg.target is not None else k
+    chosen, trace = _final_set(run, chosen, halves, corrections, how)
     if chosen.layers and targets is not None and cfg.compensate != "never":
-        chosen, how["compensation"] = _choose_compensation(run, chosen, targets, corrections, judge, fidelity, fits)
+        chosen, how["compensation"] = _choose_compensation(run, chosen, targets, corrections, halves, fidelity, fits)
     _install_corrections(run, chosen, corrections, fits)
-    held = _heldout_figures(run, chosen, corrections, judge, fidelity)
-    sens = scores(stats, cfg.lam)
+    held = _heldout_figures(run, chosen, corrections, halves, fidelity)
+    sens = scores(summed_stats(h.stats for h in halves), cfg.lam)
     _apply_selection(run, chosen.layers, sens)
     model.train(was_training)
-    report = build_report(run.layers, cfg, run.split, run.reduce, k, chosen.layers, sens, fits, trace, tokens,
-                          held.get("raw_mse"))
+    report = build_report(run.layers, cfg, run.split, run.reduce, k, chosen.layers, sens, fits, trace,
+                          sum(h.tokens for h in halves), held.get("raw_mse"))
     report["selection"].update(how, configuration=chosen.name, heldout=held)
     return report
 
@@ -247,78 +246,88 @@ def _score_stats(run: _Run, batches: list, corrections: dict[str, FittedCorrecti
     return stats, run.reduce(tokens)
 
 
-def _rescore(run: _Run, chosen: Configuration, stats: dict, tokens: Tensor, corrections: dict) -> tuple:
-    """A chosen score configuration refitted on every image: the judging images' score statistics
-    join the search images', and the set is the ``k`` lowest of the summed score (item 3 of
-    ``docs/method.md#configurations``). Returns ``(configuration, stats, tokens)``."""
-    more, more_tokens = _score_stats(run, run.split.judge, corrections[chosen.rule])
-    for n, st in stats.items():
-        st.sums = st.sums + more[n].sums
-    layers = select_by_score(scores(stats, run.cfg.lam), len(chosen.layers))
-    return replace(chosen, layers=[n for n in run.layers if n in layers]), stats, tokens + more_tokens
+def _search_half(run: _Run, i: int, corrections: dict, ks: Sequence[int]) -> HalfSearch:
+    """Scores half ``i`` and runs every selection method on it (cross-fitted, the user's rule)."""
+    stats, tokens = _score_stats(run, run.split.halves[i], corrections[run.cfg.correction])
+    sets, traces = _search(run, run.split.greedy[i], scores(stats, run.cfg.lam), ks, corrections, run.methods)
+    return HalfSearch(CrossFitJudge(run.layers, run.split.halves[i], run.fold_of, run.reduce), stats, tokens, sets, traces)
 
 
-def _select_configuration(run: _Run, sens: dict[str, float], k: int, corrections: dict, judge: CrossFitJudge,
-                          fidelity: Any) -> tuple[Configuration, list, dict]:
-    """The configuration to apply, its search's trace and how it was chosen
-    (``docs/method.md#configurations``).
+def _search(run: _Run, images: list, sens: dict, ks: Sequence[int], corrections: dict, methods: Sequence[str]):
+    """``candidate_sets`` with every set measured by the cross-fitted raw-output MSE on ``images``."""
+    judge = CrossFitJudge(run.layers, images, run.fold_of, run.reduce)
+    loss = judge(RawDistortion(run.forward, relative=False), corrections[run.cfg.correction], run.cfg.correction)
+    return candidate_sets(methods, run.layers, sens, ks, lambda s: loss(s).loss)
 
-    Each selection method's sets come from searches on the search images under the user's
-    correction rule, every set measured with cross-fitted corrections; every (method, rule)
-    pair is then judged on the judging images and :func:`choose_configuration` keeps the
-    paper's choice unless another gains more than its noise. With ``target``, the count is the
-    largest where some method's set is within the target, and only candidates within it compete.
-    """
-    cfg = run.cfg
-    ks = list(range(1, len(run.layers) + 1)) if cfg.target is not None else [k]
+
+def _select_configuration(run: _Run, halves: list, ks: Sequence[int], k: int, corrections: dict,
+                          fidelity: Any) -> tuple[Configuration, dict]:
+    """The configuration to apply (its layers are set by :func:`_final_set`) and how it was
+    chosen (``docs/method.md#configurations``): every (method, rule) pair judged across the
+    halves, and :func:`choose_configuration` keeps the paper's choice unless another gains more
+    than its noise. With ``target``, the count is the largest where some method's pair with
+    the user's rule is within the target, and only pairs within it compete."""
+    cfg, pairs = run.cfg, [(m, r) for m in run.methods for r in run.rules]
     if not ks or max(ks) == 0:
-        return Configuration(run.methods[0], cfg.correction, []), [], {}
-    mse = RawDistortion(run.forward, relative=False)
-    searcher = CrossFitJudge(run.layers, run.split.greedy, run.fold_of, run.reduce)
-    search = searcher(mse, corrections[cfg.correction], cfg.correction)
-    sets, traces = candidate_sets(run.methods, run.layers, sens, ks, lambda s: search(s).loss)
-    info: dict = {}
-    measure = mse
+        return Configuration(run.methods[0], cfg.correction, []), {}
+    measure, info = RawDistortion(run.forward, relative=False), {}
     if cfg.target is not None:
         measure = fidelity
-        k, info = target_count(run.methods, sets, ks, float(cfg.target),
-                               judge(fidelity, corrections[cfg.correction], cfg.correction))
+        k, info = target_count(run.methods, ks, float(cfg.target),
+                               lambda m, j: across_halves(halves, fidelity, corrections, cfg.correction, m, j))
         info["target"]["measure"] = fidelity.name
-        if k == 0:
-            return Configuration(run.methods[0], cfg.correction, []), [], {"chosen": run.methods[0], **info}
-    configs = [Configuration(m, r, sets[(m, k)]) for m in run.methods for r in run.rules]
-    if len(configs) == 1:
-        return configs[0], traces.get(configs[0].method, []), {"chosen": configs[0].method, **info}
-    verdicts = {c.name: judge(measure, corrections[c.rule], c.rule)(c.layers) for c in configs}
+    if len(pairs) == 1 or k == 0:
+        return Configuration(pairs[0][0], pairs[0][1], [], k=k), {"chosen": pairs[0][0], **info}
+    verdicts = {configuration_name(m, r): across_halves(halves, measure, corrections, r, m, k) for m, r in pairs}
     if cfg.target is not None:
         verdicts = {n: v for n, v in verdicts.items() if v.loss <= float(cfg.target)}
     name, comparison = choose_configuration(verdicts)
-    chosen = next(c for c in configs if c.name == name)
-    comparison["layers"] = {c.name: c.layers for c in configs if c.name in verdicts}
-    run.log(f"[latte] configuration: {name} (cross-fitted {measure.name} "
+    method, rule = next((m, r) for m, r in pairs if configuration_name(m, r) == name)
+    comparison["layers"] = {configuration_name(m, r): [h.sets[(m, k)] for h in halves] for m, r in pairs}
+    run.log(f"[latte] configuration: {name} (cross-fitted {measure.name}: "
             + ", ".join(f"{n} {v:.4e}" for n, v in comparison["losses"].items()) + ")")
-    return chosen, traces.get(chosen.method, []), {"chosen": chosen.method, "comparison": comparison,
-                                                   "measure": measure.name, **info}
+    return Configuration(method, rule, [], k=k), {"chosen": method, "comparison": comparison, "measure": measure.name,
+                                                  **info}
 
 
-def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, corrections: dict, judge: CrossFitJudge,
+def _final_set(run: _Run, chosen: Configuration, halves: list, corrections: dict, how: dict) -> tuple:
+    """The chosen configuration refitted on every image: with one half, its search's set; a
+    ``score`` set from the score summed over both halves; a search's set where both halves'
+    searches agree, else the search run again on every image. Returns ``(configuration, trace)``."""
+    m, k = chosen.method, chosen.k
+    if not k:
+        return chosen, []
+    if len(halves) == 1:
+        return replace(chosen, layers=halves[0].sets[(m, k)]), halves[0].traces.get(m, [])
+    if m == "score":
+        layers, trace = select_by_score(scores(summed_stats(h.stats for h in halves), run.cfg.lam), k), []
+    elif set(halves[0].sets[(m, k)]) == set(halves[1].sets[(m, k)]):
+        layers, trace = halves[0].sets[(m, k)], halves[0].traces.get(m, [])
+    else:
+        sets, traces = _search(run, run.split.greedy_all, {}, [k], corrections, (m,))
+        layers, trace = sets[(m, k)], traces.get(m, [])
+        how["searched_again"] = "the halves' searches disagreed: searched again on every image"
+    return replace(chosen, layers=[n for n in run.layers if n in layers]), trace
+
+
+def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, corrections: dict, halves: list,
                          fidelity: Any, fits: dict) -> tuple[Configuration, dict]:
     """Compensates the chosen layers (:func:`_compensate_layers`) and, with ``compensate='auto'``,
-    keeps it only if the hybrid's cross-fitted raw-output MSE on the judging images is lower
+    keeps it only if the hybrid's cross-fitted raw-output MSE on every fit and choice image is lower
     (ties keep the plain fit) and, with ``target``, its fidelity loss is still within the target.
     The compensated corrections join ``corrections`` under ``<rule>+compensation``; the
     compensated fits go to ``fits[layer]["compensated"]`` (``docs/method.md#compensation``)."""
     mse = RawDistortion(run.forward, relative=False)
-    compensated = Configuration(chosen.method, chosen.rule, chosen.layers, compensated=True)
+    compensated = replace(chosen, compensated=True)
     key = compensated.corrections_key
-    before = judge(mse, corrections[chosen.rule], chosen.rule)(chosen.layers).loss
+    before = on_every_image(halves, mse, corrections[chosen.rule], chosen.rule, chosen.layers).loss
     comp_fits, comp = _compensate_layers(run, chosen, targets)
     corrections[key] = {**corrections[chosen.rule], **comp}
-    after = judge(mse, corrections[key], key)(chosen.layers).loss
+    after = on_every_image(halves, mse, corrections[key], key, chosen.layers).loss
     keep = run.cfg.compensate == "always" or after < before
     info = {"crossfit_distortion": {"plain": before, "compensated": after}}
     if keep and run.cfg.target is not None and run.cfg.compensate == "auto":
-        info["target_loss"] = judge(fidelity, corrections[key], key)(chosen.layers).loss
+        info["target_loss"] = on_every_image(halves, fidelity, corrections[key], key, chosen.layers).loss
         keep = info["target_loss"] <= float(run.cfg.target)  # re-judged: dropped if it breaks the budget
     for n in chosen.layers:
         fits[n]["compensated"] = comp_fits[n]
@@ -357,12 +366,12 @@ def _install_corrections(run: _Run, chosen: Configuration, corrections: dict, fi
         fits[n]["applied"] = corr.name
 
 
-def _heldout_figures(run: _Run, chosen: Configuration, corrections: dict, judge: CrossFitJudge,
-                     fidelity: Any) -> dict:
-    """The chosen configuration's raw-output MSE and ``fidelity`` loss: on the report images
-    when there are any (nothing was fitted on or chosen by them), else cross-fitted on the
-    judging images (no image judged a correction fitted on it, but these images chose the
-    configuration: ``docs/method.md#report``). Empty without linear layers."""
+def _heldout_figures(run: _Run, chosen: Configuration, corrections: dict, halves: list, fidelity: Any) -> dict:
+    """The chosen configuration's raw-output MSE and ``fidelity`` loss on the report images when
+    there are any (nothing was fitted on or chosen by them), else its raw-output MSE on every
+    fit and choice image, cross-fitted (no image measured with a correction fitted on it; the
+    images did choose the configuration and its set: ``docs/method.md#report``), and the
+    fidelity loss where ``target`` already measured it. Empty without linear layers."""
     if not chosen.layers:
         return {}
     if run.split.counts.get("report"):
@@ -371,9 +380,9 @@ def _heldout_figures(run: _Run, chosen: Configuration, corrections: dict, judge:
                 "fidelity": measured(run.layers, report, fidelity, run.reduce)(chosen.layers),
                 "measure": fidelity.name, "kind": "report images", "images": run.split.counts["report"]}
     corr, key = corrections[chosen.corrections_key], chosen.corrections_key
-    mse = RawDistortion(run.forward, relative=False)
-    raw, fid = judge(mse, corr, key)(chosen.layers), judge(fidelity, corr, key)(chosen.layers)
-    return {"raw_mse": raw.loss, "fidelity": fid.loss, "measure": fidelity.name, "kind": "cross-fitted",
+    raw = on_every_image(halves, RawDistortion(run.forward, relative=False), corr, key, chosen.layers)
+    fid = on_every_image(halves, fidelity, corr, key, chosen.layers).loss if run.cfg.target is not None else None
+    return {"raw_mse": raw.loss, "fidelity": fid, "measure": fidelity.name, "kind": "cross-fitted",
             "images": int(raw.per_image.numel())}
 
 

@@ -23,7 +23,8 @@ from .layer import LatteParams, set_modes
 from .settings import LatteConfig
 
 __all__ = ["ROLES", "CalibrationSplit", "image_role", "compares_configurations", "split_calibration",
-           "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "cross_fitted", "CrossFitJudge"]
+           "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "merged", "cross_fitted", "CrossFitJudge",
+           "HalfSearch", "across_halves", "on_every_image"]
 
 
 #: The roles of calibration images: fitted on; choosing the knobs; only reporting held-out errors.
@@ -35,20 +36,21 @@ class CalibrationSplit:
     """This rank's calibration batches by role, each as ``(global position, batch)``.
 
     The roles come from the global position alone (:func:`image_role`), so the split is the
-    same whatever the number of processes. The fit and choice images are further split by
-    position: ``search`` (the per-layer score and the searches run on them; ``greedy``, its
-    first ``greedy_images``, is what the greedy and backward searches compare outputs on) and
-    ``judge`` (they judge whole configurations; nothing was searched on them).
+    same whatever the number of processes. ``used`` (the fit and choice images) is dealt to
+    ``halves``: two when whole configurations are compared (each half searches, the other
+    judges: ``docs/method.md#configurations``), else one. ``greedy[i]``: the images of half
+    ``i`` the greedy and backward searches compare outputs on; ``greedy_all``: those of a
+    search over every image.
     """
 
     fit: list = field(default_factory=list)
     choose: list = field(default_factory=list)
     report: list = field(default_factory=list)
-    search: list = field(default_factory=list)
+    used: list = field(default_factory=list)
+    halves: list = field(default_factory=list)
     greedy: list = field(default_factory=list)
-    judge: list = field(default_factory=list)
+    greedy_all: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)
-    judge_apart: bool = False  # the judging images are not the search images (the same on every rank)
 
 
 def image_role(position: int, holdout: float) -> str:
@@ -74,27 +76,27 @@ def compares_configurations(cfg: LatteConfig) -> bool:
 
 def split_calibration(batches: Sequence[Any], positions: Sequence[int], cfg: LatteConfig,
                       reduce: AllReduce) -> CalibrationSplit:
-    """Deals this rank's batches to the roles, then the fit and choice images (by their rank
-    among the global fit and choice positions, whichever rank holds them) to ``search`` (the
-    first half) and ``judge`` (the rest). With nothing to choose (:func:`compares_configurations`)
-    every fit and choice image searches and judges. ``greedy``: the first ``greedy_images`` of
-    ``search``."""
+    """Deals this rank's batches to the roles, then the fit and choice images to the halves by
+    the parity of their rank among the global fit and choice positions (whichever rank holds
+    them): two halves when configurations are compared (:func:`compares_configurations`) and
+    there are at least two images, else one. Each half's searches compare outputs on its first
+    ``greedy_images // 2`` images (``greedy_images`` with one half), so the searches together
+    see ``greedy_images`` images."""
     split = CalibrationSplit()
     for pos, batch in zip(positions, batches):
         getattr(split, image_role(int(pos), cfg.holdout)).append((int(pos), batch))
     local = torch.tensor([float(len(getattr(split, r))) for r in ROLES], dtype=torch.float64)
     split.counts = dict(zip(ROLES, (int(x) for x in reduce(local).tolist())))
-    used = sorted(split.fit + split.choose, key=lambda pb: pb[0])
+    split.used = sorted(split.fit + split.choose, key=lambda pb: pb[0])
     rank = {}  # global position -> index among the global fit and choice positions
-    for g in range(max((p for p, _ in used), default=-1) + 1):
+    for g in range(max((p for p, _ in split.used), default=-1) + 1):
         if image_role(g, cfg.holdout) != "report":
             rank[g] = len(rank)
-    n = split.counts["fit"] + split.counts["choose"]
-    half = n if not compares_configurations(cfg) or n < 2 else (n + 1) // 2
-    split.search = [(p, b) for p, b in used if rank[p] < half]
-    split.greedy = [(p, b) for p, b in used if rank[p] < min(half, max(1, cfg.greedy_images))]
-    split.judge = [(p, b) for p, b in used if rank[p] >= half] if half < n else list(used)
-    split.judge_apart = half < n
+    two = compares_configurations(cfg) and split.counts["fit"] + split.counts["choose"] >= 2
+    split.halves = [[pb for pb in split.used if rank[pb[0]] % 2 == h] for h in range(2)] if two else [split.used]
+    per_half = max(1, cfg.greedy_images // 2) if two else max(1, cfg.greedy_images)
+    split.greedy = [[pb for pb in half if rank[pb[0]] // len(split.halves) < per_half] for half in split.halves]
+    split.greedy_all = [pb for pb in split.used if rank[pb[0]] < max(1, cfg.greedy_images)]
     return split
 
 
@@ -140,6 +142,13 @@ class Verdict:
 
     loss: float
     per_image: Tensor  # (images,) in global position order
+    sums: Optional[Tensor] = None  # the measure's sums over the images (verdicts on disjoint images add up)
+
+
+def merged(verdicts: Sequence[Verdict], measure: Any) -> Verdict:
+    """One verdict from verdicts on disjoint image sets (per-image losses concatenated)."""
+    total = sum((v.sums for v in verdicts), measure.zeros())
+    return Verdict(measure.loss(total), torch.cat([v.per_image for v in verdicts]), total)
 
 
 def cross_fitted(layers: dict[str, LatteParams], corrections: dict[str, FittedCorrection], batches: list,
@@ -173,7 +182,7 @@ def cross_fitted(layers: dict[str, LatteParams], corrections: dict[str, FittedCo
         rows = reduce(rows)
         judged = [r[:-1].to(zero.dtype).reshape(zero.shape) for r in rows[rows[:, -1] > 0]]
         total = sum(judged, zero)
-        return Verdict(measure.loss(total), torch.tensor([measure.loss(r) for r in judged], dtype=torch.float64))
+        return Verdict(measure.loss(total), torch.tensor([measure.loss(r) for r in judged], dtype=torch.float64), total)
 
     return verdict
 
@@ -209,8 +218,34 @@ class CrossFitJudge:
         return remembered
 
 def image_counts(split: CalibrationSplit, reduce: AllReduce) -> dict:
-    """How many images (across ranks) searched, compared outputs in the searches, and judged."""
-    local = torch.tensor([float(len(split.search)), float(len(split.greedy)), float(len(split.judge))],
+    """How many images (across ranks) each half holds and how many the searches compared outputs on."""
+    local = torch.tensor([float(len(h)) for h in split.halves] + [float(len(g)) for g in split.greedy],
                          dtype=torch.float64)
-    search, greedy, judged = (int(x) for x in reduce(local).tolist())
-    return {"search_images": search, "greedy_images": greedy, "judge_images": judged}
+    counts = [int(x) for x in reduce(local).tolist()]
+    n = len(split.halves)
+    return {"halves": counts[:n], "greedy_images": sum(counts[n:]), "judge_images": sum(counts[:n]) if n == 2 else 0}
+
+
+@dataclass
+class HalfSearch:
+    """One half of the fit and choice images: its score statistics, the candidate sets its
+    searches found, and a judge over its images."""
+
+    judge: "CrossFitJudge"
+    stats: dict
+    tokens: Tensor
+    sets: dict
+    traces: dict
+
+
+def across_halves(halves: list, measure: Any, corrections: dict, rule: str, method: str, k: int) -> Verdict:
+    """A (method, rule) pair judged on every image, each half with the set the *other* half's
+    search found (with one half: its own), each image with its fold's corrections."""
+    n = len(halves)
+    return merged([h.judge(measure, corrections[rule], rule)(halves[(i + 1) % n].sets[(method, k)])
+                   for i, h in enumerate(halves)], measure)
+
+
+def on_every_image(halves: list, measure: Any, corrections: dict, key: str, layers: list[str]) -> Verdict:
+    """``layers`` judged on every fit and choice image with ``corrections`` (cross-fitted)."""
+    return merged([h.judge(measure, corrections, key)(layers) for h in halves], measure)

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["backward_select", "candidate_sets", "LastOutput", "scores",
+__all__ = ["backward_select", "candidate_sets", "LastOutput", "scores", "summed_stats",
     "naive_sensitivity_score",
     "SensitivityStats",
     "num_linear_layers",
@@ -173,3 +173,16 @@ class LastOutput:
 
     def __call__(self, out: Tensor) -> None:
         self.store[self.name] = out.detach()
+
+
+def summed_stats(stats: Iterable[dict]) -> dict:
+    """Score statistics of several image sets, added up (they are sums)."""
+    total: dict = {}
+    for part in stats:
+        for n, st in part.items():
+            if n not in total:
+                total[n] = SensitivityStats()
+                total[n].sums = st.sums.clone()
+            else:
+                total[n].sums = total[n].sums + st.sums
+    return total
