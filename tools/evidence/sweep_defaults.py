@@ -2,7 +2,7 @@
 """Do the defaults ever lose? The package defaults against the paper's protocol and the
 previous defaults, on generated splits no choice in the project has seen, at several budgets.
 
-    python tools/evidence/sweep_defaults.py [--seeds 101 202 303 404 505] [--budgets 8 16 32 64]
+    python tools/evidence/sweep_defaults.py [--seeds 202 303 404 505 606] [--budgets 8 16 32 64]
         [--models cond_detr rtdetr] [--sequence-budgets 8 128] [--results results/sweep_defaults.json]
 
 For each seed: a split generated with it (``data/sweep/seed<N>``: 200 train, 200 val images
@@ -16,7 +16,9 @@ configurations with each seed's calibration sequences at each sequence budget (o
 scored on 2,000 test sequences by the cosine of its pooled output to the exact model's.
 
 The results file is rewritten after every row (atomic), and a run given the same file resumes
-where it stopped. Nothing here chooses anything: the seeds were picked before any run.
+where it stopped. Nothing here chooses anything. The seeds were fixed before the sweep ran;
+seed 101 is not among them because a trial of the design looked at its val mAP
+(docs/history.md).
 """
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def sweep_sequence(seed: int, budgets: list, results: dict, path: str) -> None:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[101, 202, 303, 404, 505])
+    p.add_argument("--seeds", type=int, nargs="+", default=[202, 303, 404, 505, 606])
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS) + ["none"])
     p.add_argument("--sequence-budgets", type=int, nargs="*", default=[8, 128])
