@@ -94,8 +94,9 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
     out["choices"] = {name: {"linearized": r["linearized"], "images": r["selection"].get("images"),
                              "heldout_distortion": r["selection"].get("heldout_distortion"),
                              "selection": {k: r["selection"].get(k) for k in (
-                                 "method", "chosen", "crossfit_distortion", "target", "judge_images", "heldout", "compensation")},
-                             "layers": {n: dict({k: f.get(k) for k in ("steps", "refit_reg", "correction",
+                                 "method", "chosen", "configuration", "comparison", "target", "halves", "judge_images",
+                                 "greedy_images", "heldout", "compensation", "searched_again")},
+                             "layers": {n: dict({k: f.get(k) for k in ("steps", "refit_reg", "correction", "applied",
                                                                        "heldout_mse", "heldout", "choice")},
                                                 compensated=(f.get("compensated") or {}).get("correction"))
                                         for n, f in r["fit"].items()}}

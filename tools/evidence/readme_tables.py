@@ -64,31 +64,30 @@ def main_job_table(model: str, prefix: str = "main_job") -> str:
 
 
 def choices_table(model: str) -> str:
-    """What the default row chose: the selection method per model, the correction and step count
-    per layer (on held-out images), and every candidate correction's error on the report images."""
+    """What the default row chose: the configuration (every candidate's cross-fitted loss), and
+    per layer the correction applied and the step count."""
     res = _load(f"main_job_{model}.json")
     row = res.get("default_row")
     ch = res["choices"][row]
     rows = []
     for layer, f in ch["layers"].items():
-        held = f.get("heldout") or {}
-        best_other = min((v for k, v in held.items() if k != f.get("correction")), default=None)
+        cv = (f.get("choice") or {}).get("correction") or {}
         rows.append([f"`{layer}`", "LINEAR" if layer in ch["linearized"] else "exact", str(f["steps"]),
-                     f"`{f.get('correction')}`", _num(held.get(f.get("correction")), ".3e"), _num(held.get("sigma"), ".3e"),
-                     _num(best_other, ".3e")])
-    imgs = ch.get("images") or {}
+                     f"`{f.get('applied') or f.get('correction')}`", f"`{f.get('correction')}`",
+                     _num(cv.get(f.get("correction")), ".3e"), _num(cv.get("sigma"), ".3e")])
     sel = ch.get("selection") or {}
-    dist = sel.get("crossfit_distortion") or {}
+    cmp = sel.get("comparison") or {}
     held = sel.get("heldout") or {}
-    head = ["layer", "state", "L-BFGS steps", "correction (chosen)", "its held-out MSE", "sigma's (the paper's)",
-            "best other candidate's"]
-    sel_txt = ", ".join(f"{m} {_num(v, '.3e')}" for m, v in dist.items())
-    return (_table(head, rows) + f"\n\nDefault row `{row}`: {imgs.get('fit', '-')} fit images, "
-            f"{imgs.get('choose', '-')} choice images, {imgs.get('report', '-')} report images. Selection: "
-            f"`{sel.get('chosen') or sel.get('method')}` (cross-fitted output MSE on the "
-            f"{sel.get('judge_images', '-')} fit and choice images the searches did not see: {sel_txt or '-'}); "
-            f"on the report images, output MSE {_num(ch.get('heldout_distortion'), '.3e')} and detection "
-            f"disagreement {_num(held.get('fidelity'), '.3f')}.")
+    head = ["layer", "state", "L-BFGS steps", "correction applied", "`auto` rule's choice",
+            "its cross-fitted MSE", "sigma's (the paper's)"]
+    losses = ", ".join(f"`{n}` {_num(v, '.3e')}" for n, v in (cmp.get("losses") or {}).items())
+    comp = sel.get("compensation") or {}
+    return (_table(head, rows) + f"\n\nDefault row `{row}`: configuration `{sel.get('configuration')}` "
+            f"(reference `{cmp.get('reference', '-')}`, best `{cmp.get('best', '-')}`, gain "
+            f"{_num(cmp.get('gain'), '.2f')} +- {_num(cmp.get('standard_error'), '.2f')} (log scale) on "
+            f"{cmp.get('images', '-')} images). Cross-fitted raw-output MSE of every candidate: {losses or '-'}. "
+            f"Compensation: {'kept' if comp.get('kept') else 'not kept'}. Held-out ({held.get('kind', '-')}, "
+            f"{held.get('images', '-')} images): output MSE {_num(ch.get('heldout_distortion'), '.3e')}.")
 
 
 def parity_table() -> str:
@@ -207,8 +206,21 @@ def headline_table() -> str:
     return _table(["model", "row", "linear layers", "bbox mAP", "% kept"], rows)
 
 
+def sweep_table() -> str:
+    """tools/evidence/sweep_defaults.py: the defaults against the paper's protocol and the previous
+    defaults over generated splits and budgets (tools/evidence/sweep_report.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sweep_report
+
+    entries = sweep_report.load_entries(RESULTS)
+    cmds = sorted({_load(os.path.basename(p))["command"] for p in sweep_report.glob.glob(
+        os.path.join(RESULTS, "sweep_defaults_*.json"))})
+    return sweep_report.table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline_table,
+    "sweep": sweep_table,
     "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,
     "onnx_cpu": onnx_cpu_table,

@@ -146,7 +146,8 @@ def main(argv=None) -> dict:
     from latte_plugin.console import quiet
 
     results, t0 = _load(a.results), time.time()
-    results.update(command="python tools/evidence/sweep_defaults.py " + " ".join(argv or sys.argv[1:]),
+    args = [os.path.relpath(x, ROOT) if os.path.isabs(x) and x.startswith(ROOT) else x for x in (argv or sys.argv[1:])]
+    results.update(command="python tools/evidence/sweep_defaults.py " + " ".join(args),
                    split=SPLIT, rows=DETECTOR_ROWS)
     for seed in a.seeds:
         if a.sequence_budgets:

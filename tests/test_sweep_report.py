@@ -1,0 +1,47 @@
+"""The defaults sweep's results file and what is read from it (no sweep is run here)."""
+import json
+
+import pytest
+
+import sweep_defaults
+import sweep_report
+
+
+def _entries():
+    out = []
+    for seed, exact in ((1, 0.60), (2, 0.64)):
+        out.append({"model": "cond_detr", "seed": seed, "budget": None, "row": "exact", "bbox_mAP": exact, "kept": 1.0})
+        for row, kept in (("paper", 0.5), ("previous", 0.95), ("ours", 0.97 if seed == 1 else 0.90)):
+            out.append({"model": "cond_detr", "seed": seed, "budget": 8, "row": row, "bbox_mAP": kept * exact,
+                        "kept": kept})
+    for seed in (1, 2):
+        for row, cos in (("paper", 0.7), ("previous", 0.9), ("ours", 0.92)):
+            out.append({"model": "sequence", "seed": seed, "budget": 8, "row": row, "cosine": cos})
+    return out
+
+
+def test_cells_compare_ours_with_the_best_other_row_per_split_within_the_measured_noise():
+    cells = {(c["model"], c["budget"]): c for c in sweep_report.cells(_entries())}
+    det = cells[("cond_detr", 8)]
+    # the noise is the exact model's mAP spread over the splits, relative to its mean
+    assert det["noise"] == pytest.approx(0.028284271 / 0.62, rel=1e-6)
+    assert det["margin"] == pytest.approx({1: 0.02, 2: -0.05})
+    assert det["within"] == 1  # split 2 loses by 5 points, more than the 4.6-point noise
+    seq = cells[("sequence", 8)]
+    assert seq["noise"] == 0.0 and seq["within"] == 2
+    table = sweep_report.table(_entries())
+    assert "| Conditional DETR | 8 | 2 | 50.0 (50.0) | 95.0 (95.0) | 93.5 (90.0) | -5.0 | 1/2 (noise 4.6) | - |" in table
+
+
+def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
+    path = str(tmp_path / "sweep.json")
+    results = {"entries": []}
+    entry = {"model": "cond_detr", "seed": 3, "budget": 8, "row": "ours", "bbox_mAP": 0.5, "kept": 0.9}
+    sweep_defaults._record(results, path, entry)
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["entries"] == [entry]
+    again = sweep_defaults._load(path)
+    assert sweep_defaults._done(again, model="cond_detr", seed=3, budget=8, row="ours")
+    assert not sweep_defaults._done(again, model="cond_detr", seed=3, budget=16, row="ours")
+    assert set(sweep_defaults.DETECTOR_ROWS) == {"paper", "previous", "ours", "ours@83%"}
