@@ -152,6 +152,40 @@ def test_a_near_tie_on_the_toy_encoder_keeps_the_reference():
     assert rep["selection"]["configuration"] in (cmp["reference"], cmp["best"])
 
 
+@pytest.mark.parametrize("target_loss, kept", [(0.04, True), (0.07, False)])
+def test_a_compensation_that_breaks_the_target_is_dropped(monkeypatch, target_loss, kept):
+    """compensate='auto' with target=0.05: a compensation that lowers the cross-fitted output
+    error is kept only if the compensated model's fidelity loss is still within the target."""
+    import latte_plugin.core.flow as flow
+    from latte_plugin.core.choice import Configuration
+
+    def verdict(halves, measure, corrections, key, layers):
+        if measure.name == "fidelity":
+            return Verdict(target_loss, torch.zeros(1))
+        return Verdict(0.5 if key.endswith("+compensation") else 1.0, torch.zeros(1))
+
+    monkeypatch.setattr(flow, "on_every_image", verdict)
+    monkeypatch.setattr(flow, "_compensate_layers", lambda run, chosen, targets: ({"a": {}}, {"a": "compensated"}))
+
+    class Fidelity:
+        name = "fidelity"
+
+    class Run:
+        cfg = LatteConfig(target=0.05)
+        forward = staticmethod(lambda b: b)
+
+        @staticmethod
+        def log(line):
+            pass
+
+    chosen = Configuration("greedy", "auto", ["a"], k=1)
+    corrections = {"auto": {"a": "plain"}}
+    fits = {"a": {}}
+    out, info = flow._choose_compensation(Run(), chosen, {}, corrections, [], Fidelity(), fits)
+    assert info["crossfit_distortion"] == {"plain": 1.0, "compensated": 0.5} and info["target_loss"] == target_loss
+    assert info["kept"] is kept and out.compensated is kept and out.layers == ["a"]
+
+
 @torch.no_grad()
 def test_target_is_rejudged_after_compensation():
     """With target= and compensate='auto', a kept compensation's fidelity loss is within the target."""

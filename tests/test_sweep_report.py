@@ -13,7 +13,7 @@ def _entries():
         out.append({"model": "cond_detr", "seed": seed, "budget": None, "row": "exact", "bbox_mAP": exact, "kept": 1.0})
         for row, kept in (("paper", 0.5), ("previous", 0.95), ("ours", 0.97 if seed == 1 else 0.90)):
             out.append({"model": "cond_detr", "seed": seed, "budget": 8, "row": row, "bbox_mAP": kept * exact,
-                        "kept": kept})
+                        "kept": kept, "calibration_seconds": {"ours": 15.0, "previous": 10.0}.get(row, 5.0)})
     for seed in (1, 2):
         for row, cos in (("paper", 0.7), ("previous", 0.9), ("ours", 0.92)):
             out.append({"model": "sequence", "seed": seed, "budget": 8, "row": row, "cosine": cos})
@@ -30,7 +30,8 @@ def test_cells_compare_ours_with_the_best_other_row_per_split_within_the_measure
     seq = cells[("sequence", 8)]
     assert seq["noise"] == 0.0 and seq["within"] == 2
     table = sweep_report.table(_entries())
-    assert "| Conditional DETR | 8 | 2 | 50.0 (50.0) | 95.0 (95.0) | 93.5 (90.0) | -5.0 | 1/2 (noise 4.6) | - |" in table
+    assert det["cost_ratio"] == pytest.approx(1.5)
+    assert "| Conditional DETR | 8 | 2 | 50.0 (50.0) | 95.0 (95.0) | 93.5 (90.0) | -5.0 | 1/2 (noise 4.6) | - | 1.50x |" in table
 
 
 def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):

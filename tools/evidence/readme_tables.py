@@ -46,9 +46,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def main_job_table(model: str, prefix: str = "main_job") -> str:
-    """Every row of the main job on one embedded model (``prefix="fresh_split"``: on the fresh split)."""
-    res = _load(f"{prefix}_{model}.json")
+def main_job_table(model: str) -> str:
+    """Every row of the main job on one embedded model."""
+    res = _load(f"main_job_{model}.json")
     rows = []
     for name, m in res["metrics"].items():
         if name == "linearized":
@@ -226,8 +226,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "onnx_cpu": onnx_cpu_table,
     "main:cond_detr": lambda: main_job_table("cond_detr"),
     "main:rtdetr": lambda: main_job_table("rtdetr"),
-    "fresh:cond_detr": lambda: main_job_table("cond_detr", "fresh_split"),
-    "fresh:rtdetr": lambda: main_job_table("rtdetr", "fresh_split"),
     "choices:cond_detr": lambda: choices_table("cond_detr"),
     "choices:rtdetr": lambda: choices_table("rtdetr"),
     "parity": parity_table,

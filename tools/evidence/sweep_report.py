@@ -60,8 +60,11 @@ def cells(entries: list[dict]) -> list[dict]:
             if not seeds:
                 continue
             margin = {s: by_row["ours"][s] - max(by_row["paper"][s], by_row["previous"][s]) for s in seeds}
+            secs = {r: [e["calibration_seconds"] for e in mine if e["budget"] == budget and e["row"] == r
+                        and e.get("calibration_seconds")] for r in ("ours", "previous")}
+            cost = statistics.mean(secs["ours"]) / statistics.mean(secs["previous"]) if all(secs.values()) else None
             out.append({"model": model, "label": label, "budget": budget, "seeds": seeds, "rows": by_row,
-                        "margin": margin, "noise": allow,
+                        "margin": margin, "noise": allow, "cost_ratio": cost,
                         "within": sum(1 for s in seeds if margin[s] >= -allow)})
     return out
 
@@ -73,7 +76,8 @@ def _pct(x: float) -> str:
 def table(entries: list[dict]) -> str:
     """The README's sweep table: mean and worst split per row, and ours against the best other."""
     head = ["model", "budget", "splits"] + [f"{name}: mean (worst)" for _, name in ROWS] + [
-        "ours - best other: worst split", "splits within noise", "ours at 83%: mean (worst)"]
+        "ours - best other: worst split", "splits within noise", "ours at 83%: mean (worst)",
+        "calibration time: ours / previous"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells(entries):
         vals = []
@@ -83,7 +87,8 @@ def table(entries: list[dict]) -> str:
         at83 = list(c["rows"]["ours@83%"].values())
         lines.append("| " + " | ".join([c["label"], str(c["budget"]), str(len(c["seeds"]))] + vals + [
             f"{100 * min(c['margin'].values()):+.1f}", f"{c['within']}/{len(c['seeds'])} (noise {_pct(c['noise'])})",
-            f"{_pct(statistics.mean(at83))} ({_pct(min(at83))})" if at83 else "-"]) + " |")
+            f"{_pct(statistics.mean(at83))} ({_pct(min(at83))})" if at83 else "-",
+            f"{c['cost_ratio']:.2f}x" if c["cost_ratio"] else "-"]) + " |")
     return "\n".join(lines)
 
 
