@@ -375,8 +375,8 @@ def test_each_folds_correction_is_chosen_and_fitted_without_that_fold():
     """fit_layer(fold_of=..., rules=...): for every rule and fold, the stored correction is the one
     cross-fitting over the *other* folds chooses, fitted from scratch on the other folds' items
     only (nested: no fold's correction was chosen or fitted with that fold in view)."""
-    from latte_plugin.core.calibration import (_normal_sums, _stack_by_shape, assign_folds, correction_weights,
-                                               cv_choice, item_position, rule_candidates)
+    from latte_plugin.core.calibration import (FoldSums, _normal_sums, _stack_by_shape, assign_folds,
+                                               correction_weights, cv_choice, item_position, rule_candidates)
 
     layer, fit_rec, choose_rec, _ = _three_roles()
     for it in fit_rec.items + choose_rec.items:  # keys as the flow sets them: position * KEY_STRIDE
@@ -395,7 +395,8 @@ def test_each_folds_correction_is_chosen_and_fitted_without_that_fold():
         cands = rule_candidates(rule, REFIT_REGS)
         assert len(fitted.folds) == 4
         for f, (kind, w) in enumerate(fitted.folds):
-            name, _ = cv_choice(cands, [sums(p) for g, p in enumerate(parts) if g != f])
+            others = [sums(p) for g, p in enumerate(parts) if g != f]
+            name, _ = cv_choice(cands, FoldSums(others))
             rest = [it for g, p in enumerate(parts) if g != f for it in p]
             assert kind == cands[name][0], (rule, f)
             assert torch.allclose(w, correction_weights(kind, sums(rest), cands[name][1]), rtol=1e-6, atol=1e-8), (rule, f)

@@ -22,7 +22,7 @@ from .layer import LatteParams
 
 __all__ = ["no_reduce", "RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "fit_correction", "FitResult",
            "reconstruction_error", "AllReduce", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK",
-           "FittedCorrection", "rule_candidates", "fit_rule", "cv_choice", "correction_candidates", "partition", "assign_folds", "apply_correction", "set_correction",
+           "FittedCorrection", "FoldSums", "rule_candidates", "fit_rule", "cv_choice", "correction_candidates", "partition", "assign_folds", "apply_correction", "set_correction",
            "item_position", "KEY_STRIDE", "CROSS_FIT_FOLDS"]
 
 AllReduce = Callable[[Tensor], Tensor]
@@ -585,6 +585,10 @@ class FittedCorrection:
             sees a choice made with it in view).
         cv: ``{candidate: cross-fitted MSE}`` over all folds (what chose ``name``; empty when the
             rule has one candidate or there is only one fold).
+        fold_names: the candidate chosen for each fold. origin: ``""`` for a fit on the exact
+            model's inputs, ``"compensation"`` for a compensated refit. Two corrections of a
+            layer with the same name, fold names and origin hold the same weights (the judge
+            uses this to measure a set once).
     """
 
     name: str
@@ -592,6 +596,11 @@ class FittedCorrection:
     weights: Tensor
     folds: list
     cv: dict = field(default_factory=dict)
+    fold_names: tuple = ()
+    origin: str = ""
+
+    def signature(self) -> tuple:
+        return (self.name, self.fold_names, self.origin)
 
 
 def rule_candidates(rule: str, refit_regs: tuple) -> dict[str, tuple[str, Optional[float]]]:
@@ -612,40 +621,61 @@ def _fallback(cands: dict) -> str:
     return name if name in cands else next(iter(cands))
 
 
-def cv_choice(cands: dict[str, tuple[str, Optional[float]]], parts: list[dict[str, Tensor]]
-              ) -> tuple[str, dict[str, float]]:
-    """The candidate of lowest k-fold error over the folds' sums ``parts`` (each fitted on the
-    others, scored on the one left out): ``(name, {name: cross-fitted MSE})``."""
-    used = [p for p in parts if float(p["rows"]) > 0]
+class FoldSums:
+    """Each fold's correction sufficient statistics, and the weights fitted without some folds,
+    computed once however many rules and nested choices ask for them."""
+
+    def __init__(self, parts: list[dict[str, Tensor]]) -> None:
+        self.parts = parts
+        self.total = _total(parts)
+        self._bases: dict[frozenset, dict[str, Tensor]] = {frozenset(): self.total}
+        self._weights: dict[tuple, Tensor] = {}
+
+    def weights(self, left_out: frozenset, fold: Optional[int], kind: str, reg: Optional[float]) -> Tensor:
+        """The correction ``(kind, reg)`` fitted on the folds but ``left_out`` (summed), less ``fold``."""
+        key = (left_out, fold, kind, reg)
+        if key not in self._weights:
+            if left_out not in self._bases:
+                self._bases[left_out] = _total([p for g, p in enumerate(self.parts) if g not in left_out])
+            base = self._bases[left_out]
+            self._weights[key] = correction_weights(kind, base if fold is None else _without(base, self.parts[fold]), reg)
+        return self._weights[key]
+
+
+def cv_choice(cands: dict[str, tuple[str, Optional[float]]], sums: FoldSums,
+              left_out: frozenset = frozenset()) -> tuple[str, dict[str, float]]:
+    """The candidate of lowest k-fold error over the folds not ``left_out`` (each fitted on the
+    others of them, scored on it): ``(name, {name: cross-fitted MSE})``."""
+    used = [f for f, p in enumerate(sums.parts) if f not in left_out and float(p["rows"]) > 0]
     if len(cands) == 1:
         return next(iter(cands)), {}
     if len(used) < 2:
         return _fallback(cands), {}
-    total = _total(used)
+    rows = sum(float(sums.parts[f]["rows"]) for f in used)
     errs: dict[str, float] = {}
     for name, (kind, reg) in cands.items():
-        sse = sum(_correction_mse(correction_weights(kind, _without(total, p), reg), p) * float(p["rows"])
-                  for p in used)
-        err = sse / float(total["rows"])
+        sse = sum(_correction_mse(sums.weights(left_out, f, kind, reg), sums.parts[f]) * float(sums.parts[f]["rows"])
+                  for f in used)
+        err = sse / rows
         errs[name] = err if math.isfinite(err) else math.inf
     order = list(cands)
     return min(order, key=lambda n: (errs[n], order.index(n))), errs
 
 
-def fit_rule(rule: str, part_sums: list[dict[str, Tensor]], refit_regs: tuple) -> FittedCorrection:
+def fit_rule(rule: str, sums: FoldSums, refit_regs: tuple) -> FittedCorrection:
     """Fits a correction rule from each fold's sums: its choice and weights on all folds, and,
     for each fold, the choice made by cross-fitting over the *other* folds and the weights
-    fitted on them (nested: closed form, the sums are computed once)."""
+    fitted on them (nested: closed form, every fit computed once in ``sums``)."""
     cands = rule_candidates(rule, refit_regs)
-    total = _total(part_sums)
-    name, cv = cv_choice(cands, part_sums)
-    folds = []
-    for f, part in enumerate(part_sums):
-        inner, _ = cv_choice(cands, [q for g, q in enumerate(part_sums) if g != f])
+    name, cv = cv_choice(cands, sums)
+    folds, names = [], []
+    for f in range(len(sums.parts)):
+        inner, _ = cv_choice(cands, sums, frozenset({f}))
         kind, reg = cands[inner]
-        folds.append((kind, correction_weights(kind, _without(total, part), reg)))
+        folds.append((kind, sums.weights(frozenset(), f, kind, reg)))
+        names.append(inner)
     kind, reg = cands[name]
-    return FittedCorrection(name, kind, correction_weights(kind, total, reg), folds, cv)
+    return FittedCorrection(name, kind, sums.weights(frozenset(), None, kind, reg), folds, cv, tuple(names))
 
 
 def fit_layer(
@@ -732,16 +762,15 @@ def fit_correction(
     _reset_correction(layer)
     folds = max(fold_of.values()) + 1 if fold_of else CROSS_FIT_FOLDS
     parts = partition(list(items) + list(choose or []), folds, fold_of)
-    part_sums = [_normal_sums(layer, _stack_by_shape(p), all_reduce) for p in parts]
-    fitted = {r: fit_rule(r, part_sums, refit_regs) for r in dict.fromkeys([correction, *(rules or ())])}
+    sums = FoldSums([_normal_sums(layer, _stack_by_shape(p), all_reduce) for p in parts])
+    fitted = {r: fit_rule(r, sums, refit_regs) for r in dict.fromkeys([correction, *(rules or ())])}
     mine = fitted[correction]
     apply_correction(layer, mine.kind, mine.weights)
     layer.calibrated.fill_(True)
     cands = rule_candidates(correction, refit_regs) if correction in ("auto", "refit") else {
         c: (c, REFIT_FALLBACK if c == "refit" else None) for c in ("none", "sigma", "refit")}
     has_report = float(all_reduce(torch.tensor([float(len(report or []))], dtype=torch.float64))[0]) > 0
-    total = _total(part_sums)
-    heldout = _report_errors(layer, total, report or [], all_reduce, cands) if has_report else {}
+    heldout = _report_errors(layer, sums.total, report or [], all_reduce, cands) if has_report else {}
     final = reconstruction_error(layer, items, all_reduce)
     return FitResult(initial_mse=final, final_mse=final, alpha_init=float(layer.alpha),
                      heldout_mse=heldout.get(mine.name, heldout.get(mine.kind)),

@@ -18,7 +18,7 @@ from .calibration import (CORRECTION_RULES, AllReduce, FittedCorrection, LayerRe
                           fit_layer, no_reduce, set_correction, share_items)
 from .choice import Configuration, choose_configuration, configuration_name, target_count
 from .fidelity import RawDistortion
-from .judge import (ROLES, CalibrationSplit, CrossFitJudge, HalfSearch, across_halves, fold_assignment, measured,
+from .judge import (ROLES, CalibrationSplit, CrossFitJudge, HalfSearch, across_halves, fold_assignment, measured, merged,
                     on_every_image, output_distortion, split_calibration)
 from .layer import LatteParams, find_latte_layers, set_modes
 from .report import build_report, fit_entry
@@ -249,15 +249,18 @@ def _score_stats(run: _Run, batches: list, corrections: dict[str, FittedCorrecti
 def _search_half(run: _Run, i: int, corrections: dict, ks: Sequence[int]) -> HalfSearch:
     """Scores half ``i`` and runs every selection method on it (cross-fitted, the user's rule)."""
     stats, tokens = _score_stats(run, run.split.halves[i], corrections[run.cfg.correction])
-    sets, traces = _search(run, run.split.greedy[i], scores(stats, run.cfg.lam), ks, corrections, run.methods)
-    return HalfSearch(CrossFitJudge(run.layers, run.split.halves[i], run.fold_of, run.reduce), stats, tokens, sets, traces)
+    searcher = CrossFitJudge(run.layers, run.split.greedy[i], run.fold_of, run.reduce)
+    sets, traces = _search(run, [searcher], scores(stats, run.cfg.lam), ks, corrections, run.methods)
+    return HalfSearch(CrossFitJudge(run.layers, run.split.halves[i], run.fold_of, run.reduce), searcher, stats, tokens,
+                      sets, traces)
 
 
-def _search(run: _Run, images: list, sens: dict, ks: Sequence[int], corrections: dict, methods: Sequence[str]):
-    """``candidate_sets`` with every set measured by the cross-fitted raw-output MSE on ``images``."""
-    judge = CrossFitJudge(run.layers, images, run.fold_of, run.reduce)
-    loss = judge(RawDistortion(run.forward, relative=False), corrections[run.cfg.correction], run.cfg.correction)
-    return candidate_sets(methods, run.layers, sens, ks, lambda s: loss(s).loss)
+def _search(run: _Run, searchers: list, sens: dict, ks: Sequence[int], corrections: dict, methods: Sequence[str]):
+    """``candidate_sets`` with every set measured by the cross-fitted raw-output MSE on the
+    searchers' images together (each searcher remembers what it measured)."""
+    mse, rule = RawDistortion(run.forward, relative=False), run.cfg.correction
+    return candidate_sets(methods, run.layers, sens, ks,
+                          lambda s: merged([j(mse, corrections[rule], rule)(s) for j in searchers], mse).loss)
 
 
 def _select_configuration(run: _Run, halves: list, ks: Sequence[int], k: int, corrections: dict,
@@ -304,7 +307,7 @@ def _final_set(run: _Run, chosen: Configuration, halves: list, corrections: dict
     elif set(halves[0].sets[(m, k)]) == set(halves[1].sets[(m, k)]):
         layers, trace = halves[0].sets[(m, k)], halves[0].traces.get(m, [])
     else:
-        sets, traces = _search(run, run.split.greedy_all, {}, [k], corrections, (m,))
+        sets, traces = _search(run, [h.searcher for h in halves], {}, [k], corrections, (m,))
         layers, trace = sets[(m, k)], traces.get(m, [])
         how["searched_again"] = "the halves' searches disagreed: searched again on every image"
     return replace(chosen, layers=[n for n in run.layers if n in layers]), trace
@@ -353,7 +356,7 @@ def _compensate_layers(run: _Run, chosen: Configuration, targets: dict) -> tuple
                 it.target = targets[n][it.key]
         res = fit_correction(run.layers[n], recs["fit"][n].items, chosen.rule, no_reduce,
                              recs["choose"][n].items, recs["report"][n].items, tuple(run.cfg.refit_reg), run.fold_of)
-        fits[n], corrections[n] = fit_entry(res), res.rules[chosen.rule]
+        fits[n], corrections[n] = fit_entry(res), replace(res.rules[chosen.rule], origin="compensation")
         run.layers[n].mode = "linear"
     return fits, corrections
 

@@ -39,8 +39,8 @@ class CalibrationSplit:
     same whatever the number of processes. ``used`` (the fit and choice images) is dealt to
     ``halves``: two when whole configurations are compared (each half searches, the other
     judges: ``docs/method.md#configurations``), else one. ``greedy[i]``: the images of half
-    ``i`` the greedy and backward searches compare outputs on; ``greedy_all``: those of a
-    search over every image.
+    ``i`` the greedy and backward searches compare outputs on (a search over every image
+    measures on all of them together).
     """
 
     fit: list = field(default_factory=list)
@@ -49,7 +49,6 @@ class CalibrationSplit:
     used: list = field(default_factory=list)
     halves: list = field(default_factory=list)
     greedy: list = field(default_factory=list)
-    greedy_all: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)
 
 
@@ -96,7 +95,6 @@ def split_calibration(batches: Sequence[Any], positions: Sequence[int], cfg: Lat
     split.halves = [[pb for pb in split.used if rank[pb[0]] % 2 == h] for h in range(2)] if two else [split.used]
     per_half = max(1, cfg.greedy_images // 2) if two else max(1, cfg.greedy_images)
     split.greedy = [[pb for pb in half if rank[pb[0]] // len(split.halves) < per_half] for half in split.halves]
-    split.greedy_all = [pb for pb in split.used if rank[pb[0]] < max(1, cfg.greedy_images)]
     return split
 
 
@@ -189,8 +187,8 @@ def cross_fitted(layers: dict[str, LatteParams], corrections: dict[str, FittedCo
 
 class CrossFitJudge:
     """:func:`cross_fitted` on fixed images, with the exact model's outputs computed once per
-    measure and each (measure, rule, set)'s verdict remembered (the searches, the choice of
-    configuration, the compensation and the target ask for some sets more than once)."""
+    measure and each (measure, set, corrections)'s verdict remembered (the searches, the choice
+    of configuration, the compensation and the target ask for some sets more than once)."""
 
     def __init__(self, layers: dict[str, LatteParams], batches: list, fold_of: dict[int, int],
                  reduce: AllReduce) -> None:
@@ -200,7 +198,8 @@ class CrossFitJudge:
 
     def __call__(self, measure: Any, corrections: dict[str, FittedCorrection],
                  key: Optional[str] = None) -> Callable[[list[str]], Verdict]:
-        """``linear layers -> Verdict`` under ``corrections``; remembered by ``key`` when given."""
+        """``linear layers -> Verdict`` under ``corrections``; remembered (by the corrections'
+        signatures) unless ``key`` is None."""
         if measure.name not in self._refs:
             set_modes(self.layers, [])
             self._refs[measure.name] = [measure.run(b) for _, b in self.batches]
@@ -210,7 +209,9 @@ class CrossFitJudge:
             return judge
 
         def remembered(linear: list[str]) -> Verdict:
-            memo = (measure.name, key, frozenset(linear))
+            # keyed by what the layers run with, not by the rule's name: rules that chose the same
+            # candidates (the same weights) share one measurement
+            memo = (measure.name, frozenset(linear), tuple(sorted((n, corrections[n].signature()) for n in linear)))
             if memo not in self._memo:
                 self._memo[memo] = judge(linear)
             return self._memo[memo]
@@ -232,6 +233,7 @@ class HalfSearch:
     searches found, and a judge over its images."""
 
     judge: "CrossFitJudge"
+    searcher: "CrossFitJudge"
     stats: dict
     tokens: Tensor
     sets: dict

@@ -76,8 +76,7 @@ def _pct(x: float) -> str:
 def table(entries: list[dict]) -> str:
     """The README's sweep table: mean and worst split per row, and ours against the best other."""
     head = ["model", "budget", "splits"] + [f"{name}: mean (worst)" for _, name in ROWS] + [
-        "ours - best other: worst split", "splits within noise", "ours at 83%: mean (worst)",
-        "calibration time: ours / previous"]
+        "ours - best other: worst split", "splits within noise", "ours at 83%: mean (worst)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells(entries):
         vals = []
@@ -87,8 +86,7 @@ def table(entries: list[dict]) -> str:
         at83 = list(c["rows"]["ours@83%"].values())
         lines.append("| " + " | ".join([c["label"], str(c["budget"]), str(len(c["seeds"]))] + vals + [
             f"{100 * min(c['margin'].values()):+.1f}", f"{c['within']}/{len(c['seeds'])} (noise {_pct(c['noise'])})",
-            f"{_pct(statistics.mean(at83))} ({_pct(min(at83))})" if at83 else "-",
-            f"{c['cost_ratio']:.2f}x" if c["cost_ratio"] else "-"]) + " |")
+            f"{_pct(statistics.mean(at83))} ({_pct(min(at83))})" if at83 else "-"]) + " |")
     return "\n".join(lines)
 
 
