@@ -285,7 +285,7 @@ def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(sy
     1e-5 as 1 process; two 1-process runs give an identical report and checkpoint."""
     cfg = tiny_cfg(synthetic_256_of_12, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
                                                                           "cond_detr_r18_synthetic_latte.py"),
-                   num_images=7, steps=5, calib_batch_size=2)
+                   num_images=7, steps=5, calib_batch_size=2, correction="refit")
     cfg_path = tmp_path / "embedded.py"
     cfg.dump(str(cfg_path))
     tool = os.path.join(ROOT, "tools", "calibrate.py")
