@@ -104,7 +104,7 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
     out["command"] = "python tools/evidence/main_job.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
                                                      ("num_images", a.num_images), ("data_root", a.data_root)) if v) + (
-        " --rows " + " ".join(f"'{r}'" if "%" in r else r for r in a.rows) if a.rows else "")
+        " --rows " + " ".join(f"'{r}'" if "%" in r or " " in r else r for r in a.rows) if a.rows else "")
     return out
 
 

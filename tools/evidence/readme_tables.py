@@ -131,6 +131,21 @@ def calibration_cost_table() -> str:
             + f"\n\n`{res['command']}` ({res['machine']}; random weights: cost does not depend on them).")
 
 
+def defaults_cost_table() -> str:
+    """benchmarks/defaults_cost.py: calibration time of the defaults against the previous defaults."""
+    res = _load("defaults_cost.json")
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in res["rows"]):
+        secs = {s: [r["seconds"] for r in res["rows"] if r["model"] == model and r["setting"] == s]
+                for s in ("defaults", "previous defaults")}
+        mean = {s: sum(v) / len(v) for s, v in secs.items()}
+        rows.append([model, str(res["rows"][0]["num_images"]), f"{mean['defaults']:.0f} s",
+                     f"{mean['previous defaults']:.0f} s", f"{mean['defaults'] / mean['previous defaults']:.2f}x"])
+    return (_table(["model", "calibration images", "defaults", "previous defaults", "ratio"], rows)
+            + f"\n\n`{res['command']}` (each calibration in a fresh process, one after the other, "
+              f"OMP_NUM_THREADS={res['threads']}; calibration only, no evaluation).")
+
+
 def example_output() -> str:
     with open(os.path.join(RESULTS, "example_hf_vit.txt"), encoding="utf-8") as f:
         return "```\n" + f.read().rstrip("\n") + "\n```"
@@ -233,6 +248,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "detector_cpu": detector_table,
     "timings": timings_table,
     "calibration_cost": calibration_cost_table,
+    "defaults_cost": defaults_cost_table,
     "example_hf_vit": example_output,
 }
 

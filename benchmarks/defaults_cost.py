@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""What the defaults cost against the previous defaults: calibration wall time on the embedded
+models, the same 32 calibration images, each setting in a fresh process, run one after the other.
+
+    python benchmarks/defaults_cost.py [--num-images 32] [--repeats 1] [--json results/defaults_cost.json]
+
+Rows: the package defaults and the previous defaults (greedy + refit, no compensation, a
+quarter of the images held out). Only the calibration is timed (no evaluation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {"cond_detr": ("configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py", "checkpoints/cond_detr_r18_synthetic.pth"),
+          "rtdetr": ("configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py", "checkpoints/rtdetr_r18_synthetic.pth")}
+SETTINGS = {"defaults": {}, "previous defaults": {"selection": "greedy", "correction": "refit", "compensate": "never",
+                                                  "holdout": 0.25}}
+
+_CHILD = """
+import argparse, dataclasses, json, os, sys, time
+sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.join({root!r}, "tools", "evidence"))
+from latte_plugin.console import quiet
+from main_job import build
+from latte_plugin.mmdet.calibrate import calibrate_detector
+a = argparse.Namespace(config={config!r}, checkpoint={ckpt!r}, data_root=None, num_images={n}, work_dir={work!r})
+with quiet(os.path.join({work!r}, "log.txt")):
+    runner, base, batches = build(a)
+    t = time.perf_counter()
+    rep = calibrate_detector(runner.model, batches, dataclasses.replace(base, **{changes!r}))
+    t = time.perf_counter() - t
+print(json.dumps({{"seconds": t, "configuration": rep["selection"].get("configuration")}}))
+"""
+
+
+def measure(model: str, setting: str, num_images: int, work: str) -> dict:
+    """One calibration in a fresh process: ``{seconds, configuration}``."""
+    config, ckpt = MODELS[model]
+    code = _CHILD.format(root=ROOT, config=config, ckpt=ckpt, n=num_images, work=work, changes=SETTINGS[setting])
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{model} / {setting} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-images", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--json", help="write the rows here (e.g. results/defaults_cost.json)")
+    a = p.parse_args(argv)
+    rows = []
+    for model in a.models:
+        for setting in SETTINGS:
+            for r in range(a.repeats):
+                res = measure(model, setting, a.num_images, os.path.join(ROOT, "work_dirs", "defaults_cost"))
+                rows.append({"model": model, "setting": setting, "repeat": r, "num_images": a.num_images,
+                             "seconds": round(res["seconds"], 1), "configuration": res["configuration"]})
+                print(rows[-1], flush=True)
+    out = {"rows": rows, "command": "python benchmarks/defaults_cost.py " + " ".join(argv or sys.argv[1:]),
+           "threads": os.environ.get("OMP_NUM_THREADS", "default")}
+    if a.json:
+        sys.path.insert(0, ROOT)
+        from latte_plugin.core.io import atomic_write_json
+
+        atomic_write_json(out, a.json)
+    return out
+
+
+if __name__ == "__main__":
+    main()
