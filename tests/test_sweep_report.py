@@ -32,6 +32,7 @@ def test_cells_compare_ours_with_the_best_other_row_per_split_within_the_measure
     table = sweep_report.table(_entries())
     assert det["cost_ratio"] == pytest.approx(1.5)
     assert "| Conditional DETR | 8 | 2 | 50.0 (50.0) | 95.0 (95.0) | 93.5 (90.0) | -5.0 | 1/2 (noise 4.6) | - |" in table
+    assert table.endswith("Missed (model, budget, split): Conditional DETR, 8, seed 2: ours 90.00 vs previous defaults 95.00.")
 
 
 def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
