@@ -233,6 +233,9 @@ def swap_attention(model: nn.Module, patterns: Sequence[str], variant: str = "la
     (same parameters); HF attention modules keep their class and get a ``latte`` child.
     In exact mode the model's outputs are unchanged.
 
+    ``patterns == ["auto"]``: the layers the model finds itself (``model.latte_candidates()``, the
+    transformers detectors' global softmax attention; see :mod:`latte_plugin.hf.discovery`).
+
     Returns:
         The matched module names, in model order.
 
@@ -240,13 +243,36 @@ def swap_attention(model: nn.Module, patterns: Sequence[str], variant: str = "la
         ValueError: a pattern matching nothing, or a matched module of an unsupported kind.
     """
     modules = dict(model.named_modules())
-    names = match_candidates([n for n in modules if n], patterns)
+    names = match_candidates([n for n in modules if n], resolve_candidates(model, patterns))
     mha_names = [n for n in names if _is_mha(modules[n])]
     if mha_names:
         swap_mha(model, mha_names, variant)
     for name in (n for n in names if n not in mha_names):
         _install_hf(modules[name], name, variant)
     return names
+
+
+AUTO = "auto"
+
+
+def resolve_candidates(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """``patterns``, or for ``["auto"]`` the names ``model.latte_candidates()`` finds (cached on the model).
+
+    Raises:
+        ValueError: ``auto`` for a model that cannot find its own candidates.
+    """
+    if list(patterns) != [AUTO]:
+        return list(patterns)
+    found = getattr(model, "latte_candidates", None)
+    if found is None:
+        raise ValueError(f"candidates='auto' needs a model that finds its own attention layers (the transformers "
+                         f"detector wrappers); {type(model).__name__} does not: name the attention modules by pattern")
+    if getattr(model, "_latte_auto_names", None) is None:
+        model._latte_auto_names = list(found())
+        if not model._latte_auto_names:
+            raise ValueError(f"candidates='auto': {type(model).__name__} has no global softmax attention layer to "
+                             "linearize")
+    return list(model._latte_auto_names)
 
 
 def _install_hf(mod: nn.Module, name: str, variant: str) -> None:

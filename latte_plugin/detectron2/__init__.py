@@ -1,6 +1,6 @@
 """Detectron2 adapter (needs detectron2 installed from its official source; see docs/detectron2.md).
 
-* :class:`LatteRTDETR` (HF transformers only, no mmdet or mmcv), :class:`MMDetDetector` and
+* :class:`LatteHFDetector` and its :class:`LatteRTDETR` (HF transformers only, no mmdet or mmcv), :class:`MMDetDetector` and
   :class:`LatteDETR` (mmdet's DETR family): meta-architectures in ``META_ARCH_REGISTRY``,
   usable with ``L(...)`` in LazyConfig; same implementations and checkpoints as the mmdet side.
 * :class:`LinearizeHook` (``HookBase``) and :func:`calibrate_detector` behind it.
@@ -9,8 +9,8 @@
 from .calibrate import Detectron2Adapter, calibrate_detector
 from .data import register_synthetic
 from .hook import LinearizeHook
-from .meta_arch import LatteDETR, LatteMetaArch, LatteRTDETR, MMDetDetector
+from .meta_arch import LatteDETR, LatteHFDetector, LatteMetaArch, LatteRTDETR, MMDetDetector
 
-__all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteRTDETR", "LinearizeHook", "calibrate_detector",
+__all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteHFDetector", "LatteRTDETR", "LinearizeHook", "calibrate_detector",
            "Detectron2Adapter",
            "register_synthetic"]

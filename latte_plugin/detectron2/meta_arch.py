@@ -3,9 +3,10 @@
 The models are the *same implementations* as on the mmdet side, with the same
 ``state_dict`` keys, so one checkpoint evaluates in both frameworks:
 
-* :class:`LatteRTDETR` holds HF's ``RTDetrForObjectDetection`` as ``hf`` (the keys of
-  :class:`latte_plugin.mmdet.HFRTDETR`). It needs torch, detectron2 and transformers only:
-  neither mmdet nor mmcv.
+* :class:`LatteHFDetector` holds a transformers detector (RT-DETR, RT-DETRv2, D-FINE, DEIMv2,
+  LW-DETR, RF-DETR, YOLOS, Conditional / Deformable DETR) as ``hf`` (the keys of
+  :class:`latte_plugin.mmdet.HFDetector`); :class:`LatteRTDETR` is its RT-DETR. It needs torch,
+  detectron2 and transformers only: neither mmdet nor mmcv.
 * :class:`MMDetDetector` (and :class:`LatteDETR`) builds an mmdet detector from an mmdet
   config (the DETR family) and adopts its children; it needs mmdet.
 
@@ -34,9 +35,10 @@ from ..adapter import ensure_calibrated, swap_attention
 from ..core.layer import find_latte_layers
 from ..core.settings import LatteConfig
 from ..core.io import CheckpointError, key_mismatch, mismatch_message
-from ..hf.rtdetr import build_rtdetr, rtdetr_postprocess, rtdetr_targets
+from ..hf.detectors import (build_detector, detection_targets, detector_outputs, family_of, pixel_mask_of,
+                            postprocess)
 
-__all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteRTDETR"]
+__all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteHFDetector", "LatteRTDETR"]
 
 logger = logging.getLogger("detectron2")
 
@@ -143,48 +145,74 @@ class LatteMetaArch(nn.Module):
 
 
 @META_ARCH_REGISTRY.register()
-class LatteRTDETR(LatteMetaArch):
-    """RT-DETR: HF's ``RTDetrForObjectDetection`` as ``self.hf``, without mmdet or mmcv.
+class LatteHFDetector(LatteMetaArch):
+    """A transformers ``...ForObjectDetection`` (RT-DETR, RT-DETRv2, D-FINE, DEIMv2, LW-DETR,
+    RF-DETR, YOLOS, Conditional / Deformable DETR) as ``self.hf``, without mmdet or mmcv.
 
-    The same modules, keys and outputs as :class:`latte_plugin.mmdet.HFRTDETR` with its
-    configs' data preprocessor (BGR -> RGB, ``/255``, zero-padded to ``pad_size_divisor``),
-    so one checkpoint serves both frameworks.
+    The same modules, keys and outputs as :class:`latte_plugin.mmdet.HFDetector` with its
+    configs' data preprocessor (BGR -> RGB, ``/255``, the family's normalisation, zero-padded to
+    ``pad_size_divisor``), so one checkpoint serves both frameworks.
 
     Args:
-        hf_config: ``transformers.RTDetrConfig`` keywords, or the path of a JSON file holding
-            them (random initialisation). Default: HF's RT-DETR-R50vd on COCO.
+        family: transformers ``model_type``; read from ``pretrained`` when not given.
+        hf_config: config keywords (dict, JSON path, or a name under ``configs/hf/coco``);
+            random initialisation.
         pretrained: a local HF checkpoint directory (``config.json`` + ``model.safetensors``);
             overrides ``hf_config``. hf_overrides: config keys applied on top of it.
-        max_per_img: detections kept per image (default: the number of queries, as HF).
+        max_per_img: detections kept per image (default: the family's image processor's).
         pad_size_divisor: the batch is zero-padded to a multiple of this.
-        latte, calibration_loader, allow_partial_load: see :class:`LatteMetaArch`.
+        latte, calibration_loader, allow_partial_load: see :class:`LatteMetaArch`
+            (``latte.candidates='auto'``: the layers :meth:`latte_candidates` finds).
     """
 
-    def __init__(self, hf_config: Any = None, pretrained: Optional[str] = None, hf_overrides: Optional[dict] = None,
-                 max_per_img: Optional[int] = None, pad_size_divisor: int = 32, latte: Optional[dict] = None,
-                 calibration_loader: Any = None, allow_partial_load: bool = False) -> None:
+    def __init__(self, family: Optional[str] = None, hf_config: Any = None, pretrained: Optional[str] = None,
+                 hf_overrides: Optional[dict] = None, max_per_img: Optional[int] = None, pad_size_divisor: int = 32,
+                 latte: Optional[dict] = None, calibration_loader: Any = None,
+                 allow_partial_load: bool = False) -> None:
         super().__init__()
-        self.hf = build_rtdetr(_plain(hf_config), pretrained, _plain(hf_overrides))
-        self.max_per_img = int(max_per_img or self.hf.config.num_queries)
+        self.hf = build_detector(family, _plain(hf_config), pretrained, _plain(hf_overrides))
+        self.family = family_of(self.hf)
+        queries = getattr(self.hf.config, "num_queries", None) or self.hf.config.num_detection_tokens
+        self.max_per_img = int(max_per_img or self.family.top_k or queries)
         self.pad_size_divisor = int(pad_size_divisor)
+        self.latte_sites: list = []
         self._setup_latte(latte, calibration_loader, allow_partial_load)
 
+    def latte_candidates(self) -> list[str]:
+        """The global softmax attention layers, found by one probe forward (``candidates='auto'``)."""
+        from ..hf.discovery import candidate_names, discover_attention
+
+        side = self.family.probe_size
+        x = torch.zeros(1, 3, side, side, device=self.device)
+        self.latte_sites = discover_attention(self.hf, lambda m: m(pixel_values=x), images=1, prefix="hf.")
+        return candidate_names(self.latte_sites)
+
     def preprocess(self, batched_inputs: list[dict]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """``(pixel_values (B, 3, H, W) RGB in [0, 1] zero-padded, per image (h, w) before padding)``."""
+        """``(pixel_values (B, 3, H, W) RGB normalised as the family's processor, zero-padded;
+        per image (h, w) before padding)``."""
         images = [d["image"].to(self.device) for d in batched_inputs]
         sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
         div = self.pad_size_divisor
         h = -(-max(s[0] for s in sizes) // div) * div
         w = -(-max(s[1] for s in sizes) // div) * div
         batch = images[0].new_zeros((len(images), 3, h, w), dtype=torch.float32)
+        mean, std = self.family.mean, self.family.std
         for i, im in enumerate(images):
-            batch[i, :, : im.shape[-2], : im.shape[-1]] = im.flip(0).float() / 255.0  # BGR -> RGB, [0, 1]
+            rgb = im.flip(0).float()  # BGR -> RGB
+            if mean is not None:  # as mmdet's DetDataPreprocessor: (x - 255 m) / (255 s)
+                rgb = (rgb - rgb.new_tensor(mean)[:, None, None] * 255) / (rgb.new_tensor(std)[:, None, None] * 255)
+            else:
+                rgb = rgb / 255.0
+            batch[i, :, : im.shape[-2], : im.shape[-1]] = rgb
         return batch, sizes
+
+    def _outputs(self, batched_inputs: list[dict], labels: Optional[list] = None):
+        pixels, sizes = self.preprocess(batched_inputs)
+        return detector_outputs(self.hf, pixels, pixel_mask_of(pixels, sizes), labels), pixels, sizes
 
     def tensor_forward(self, batched_inputs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits (B, Q, C), pred_boxes (B, Q, 4))``: what calibration compares."""
-        pixels, _ = self.preprocess(batched_inputs)
-        out = self.hf(pixel_values=pixels)
+        out = self._outputs(batched_inputs)[0]
         return out.logits, out.pred_boxes
 
     def forward(self, batched_inputs: list[dict]):
@@ -195,23 +223,31 @@ class LatteRTDETR(LatteMetaArch):
 
     def predict(self, batched_inputs: list[dict]) -> list[dict]:
         """Inference as it is (no calibration first): ``[{"instances": Instances}]`` in original-image pixels."""
-        pixels, sizes = self.preprocess(batched_inputs)
-        out = self.hf(pixel_values=pixels)
-        hw = [tuple(pixels.shape[-2:])] * len(batched_inputs)
+        out, _, sizes = self._outputs(batched_inputs)
         results = []
         for (scores, labels, boxes), d, (h, w) in zip(
-                rtdetr_postprocess(out.logits, out.pred_boxes, hw, self.max_per_img), batched_inputs, sizes):
+                postprocess(self.family.scores, out.logits, out.pred_boxes, sizes, self.max_per_img),
+                batched_inputs, sizes):
             oh, ow = int(d.get("height", h)), int(d.get("width", w))
             boxes = boxes / boxes.new_tensor([w / ow, h / oh, w / ow, h / oh])  # to the original image
             results.append({"instances": self.to_instances(boxes, scores, labels, oh, ow)})
         return results
 
     def _losses(self, batched_inputs: list[dict]) -> dict:
-        pixels, _ = self.preprocess(batched_inputs)
+        pixels, sizes = self.preprocess(batched_inputs)
         gts = [d["instances"] for d in batched_inputs]
-        targets = rtdetr_targets([g.gt_boxes.tensor.to(self.device) for g in gts],
-                                 [g.gt_classes.to(self.device) for g in gts], tuple(pixels.shape[-2:]), pixels.dtype)
-        return {"loss": self.hf(pixel_values=pixels, labels=targets).loss}
+        targets = [detection_targets([g.gt_boxes.tensor.to(self.device)], [g.gt_classes.to(self.device)], s,
+                                     pixels.dtype)[0] for g, s in zip(gts, sizes)]
+        out = detector_outputs(self.hf, pixels, pixel_mask_of(pixels, sizes), targets)
+        return {"loss": out.loss}
+
+
+@META_ARCH_REGISTRY.register()
+class LatteRTDETR(LatteHFDetector):
+    """RT-DETR (``RTDetrForObjectDetection``): :class:`LatteHFDetector` with ``family='rt_detr'``."""
+
+    def __init__(self, hf_config: Any = None, pretrained: Optional[str] = None, **kwargs) -> None:
+        super().__init__("rt_detr", hf_config, pretrained, **kwargs)
 
 
 @META_ARCH_REGISTRY.register()

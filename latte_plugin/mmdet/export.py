@@ -18,7 +18,7 @@ from typing import Sequence
 from mmdet.structures import DetDataSample
 from torch import Tensor, nn
 
-from .rtdetr import HFRTDETR
+from .hf_detector import HFDetector
 
 __all__ = ["RawOutputs", "predict_from_raw"]
 
@@ -32,7 +32,7 @@ class RawOutputs(nn.Module):
 
     def forward(self, pixels: Tensor) -> tuple[Tensor, Tensor]:
         det = self.detector
-        if isinstance(det, HFRTDETR):
+        if isinstance(det, HFDetector):
             return det._forward(pixels)
         hw = (pixels.shape[-2], pixels.shape[-1])
         samples = [DetDataSample(metainfo=dict(img_shape=hw, batch_input_shape=hw)) for _ in range(pixels.shape[0])]
@@ -43,7 +43,7 @@ class RawOutputs(nn.Module):
 def predict_from_raw(detector: nn.Module, logits: Tensor, boxes: Tensor, pixels_hw: tuple[int, int],
                      data_samples: Sequence[DetDataSample], rescale: bool = True):
     """The detector's own post-processing on raw outputs: ``data_samples`` with ``pred_instances``."""
-    if isinstance(detector, HFRTDETR):
+    if isinstance(detector, HFDetector):
         return detector.predict_raw(logits, boxes, pixels_hw, data_samples, rescale)
     metas = [ds.metainfo for ds in data_samples]
     results = detector.bbox_head.predict_by_feat(logits[None], boxes[None], batch_img_metas=metas, rescale=rescale)
