@@ -159,8 +159,22 @@ def query_matched_diff(ref: Sequence[torch.Tensor], got: Sequence[torch.Tensor])
     for x, y in zip(a, b):
         dist = torch.cdist(x[None], y[None], p=float("inf"))[0]  # (Q, Q)
         best, match = dist.min(dim=1)
-        if len(set(match.tolist())) != len(match):
-            return float("inf"), True
+        if len(set(match.tolist())) != len(match):  # near-duplicate queries: a one-to-one assignment
+            match = _assignment(dist)
+            if match is None:
+                return float("inf"), True
+            best = dist[torch.arange(len(match)), match]
         reordered |= bool((match != torch.arange(len(match))).any())
         worst = max(worst, float(best.max()))
     return worst, reordered
+
+
+def _assignment(dist: torch.Tensor) -> Optional[torch.Tensor]:
+    """The one-to-one query matching of least total distance (scipy's Hungarian solver), or ``None``
+    without scipy. Untrained models have many near-identical queries, where nearest neighbours collide."""
+    try:
+        from scipy.optimize import linear_sum_assignment
+    except ImportError:
+        return None
+    rows, cols = linear_sum_assignment(dist.double().numpy())
+    return torch.as_tensor(cols)[torch.as_tensor(rows).argsort()]

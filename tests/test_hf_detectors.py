@@ -140,3 +140,110 @@ def test_postprocess_equals_its_naive_reference(kind):
 def test_every_architecture_json_names_a_family():
     names = {os.path.splitext(n)[0] for n in os.listdir(os.path.join(ROOT, "configs", "hf", "coco"))}
     assert names == {f.architecture for f in FAMILIES.values()}
+
+
+#: (candidates with RoPE, other candidates, windowed, cross) each family's smallest public model has
+EXPECTED_SITES = {
+    "rt_detr": (0, 4, 0, 0), "rt_detr_v2": (0, 4, 0, 0), "d_fine": (0, 4, 0, 0),
+    "deimv2": (12, 5, 0, 0),  # 12 DINOv3 blocks + AIFI + 4 decoder self-attention
+    "lw_detr": (0, 6, 3, 0),  # 3 global ViT blocks + 3 decoder; blocks 0, 2, 4 windowed
+    "rf_detr": (0, 5, 9, 0),  # blocks 3, 6, 9 global (+ 2 decoder); the other 9 windowed
+    "yolos": (0, 12, 0, 0),
+    "conditional_detr": (0, 12, 0, 6),  # 6 encoder + 6 decoder self; 6 decoder cross kept exact
+    "deformable_detr": (0, 6, 0, 0),  # deformable encoder / cross-attention never dispatch: not listed
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_candidates_are_found_from_the_model(family):
+    """One probe forward classifies every attention layer; ``candidates='auto'`` takes the global ones."""
+    from latte_plugin.adapter import swap_attention
+    from latte_plugin.core.layer import find_latte_layers
+
+    require("detectron2.structures")
+    from latte_plugin.detectron2 import LatteHFDetector
+
+    det = LatteHFDetector(family=family, hf_config=FAMILIES[family].architecture).eval()
+    names = swap_attention(det, ["auto"])
+    sites = det.latte_sites
+    kinds = [s.kind for s in sites]
+    assert (kinds.count("global+rope"), kinds.count("global"), kinds.count("windowed"),
+            kinds.count("cross")) == EXPECTED_SITES[family]
+    assert names == [s.name for s in sites if s.candidate] == list(find_latte_layers(det))
+    assert all(s.tokens > 0 and s.name.startswith("hf.") for s in sites)
+
+
+def test_a_rope_layer_sees_rotated_q_and_k_and_is_exact_until_linearized():
+    """DEIMv2's DINOv3 blocks: in exact mode the model is bit-identical; in linear mode the q and k
+    the LATTE kernel receives are the rotated ones (``apply_rotary_pos_emb(q_proj(x), k_proj(x))``),
+    not the raw projections."""
+    from transformers.models.dinov3_vit import modeling_dinov3_vit as dv
+
+    from latte_plugin.adapter import swap_attention
+
+    hf, x = _model("deimv2"), torch.rand(1, 3, 128, 128)
+    with torch.no_grad():
+        want = hf(pixel_values=x).logits
+    name = "model.conv_encoder.backbone.model.layer.5.attention"
+    swap_attention(hf, ["model.conv_encoder.backbone.model.layer.*.attention"])
+    with torch.no_grad():
+        assert torch.equal(hf(pixel_values=x).logits, want)
+    attn = dict(hf.named_modules())[name]
+    seen, inputs = {}, {}
+    attn.register_forward_pre_hook(lambda m, a, kw: inputs.update(h=a[0] if a else kw["hidden_states"],
+                                                                 pe=kw["position_embeddings"]), with_kwargs=True)
+    attend = attn.latte.attend
+    attn.latte.attend = lambda q, k, v, *rest: (seen.update(q=q, k=k), attend(q, k, v, *rest))[1]
+    attn.latte.mode = "linear"
+    with torch.no_grad():
+        out = hf(pixel_values=x).logits
+        b, n, _ = inputs["h"].shape
+        shape = (b, n, -1, attn.head_dim)
+        q = attn.q_proj(inputs["h"]).view(shape).transpose(1, 2)
+        k = attn.k_proj(inputs["h"]).view(shape).transpose(1, 2)
+        rq, rk = dv.apply_rotary_pos_emb(q, k, *inputs["pe"])
+    torch.testing.assert_close(seen["q"], rq, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(seen["k"], rk, atol=1e-6, rtol=1e-5)
+    assert (rq - q).abs().max() > 1e-2  # the rotation is not the identity here
+    assert not torch.equal(out, want)
+
+
+def test_an_attention_with_an_additive_bias_is_refused_with_its_name():
+    """A layer handed an additive bias (relative-position bias, ALiBi) is classified ``bias``, not a
+    candidate; forced linear by pattern, it raises one line naming the layer instead of running."""
+    from latte_plugin.adapter import swap_attention
+    from latte_plugin.hf.discovery import discover_attention
+
+    hf = _model("deimv2")
+    attn = hf.model.conv_encoder.backbone.model.layer[0].attention
+    h = torch.rand(1, 10, attn.q_proj.in_features)
+    cos, sin = torch.ones(1, 10, attn.head_dim), torch.zeros(1, 10, attn.head_dim)
+    bias = torch.randn(1, 1, 10, 10)
+    holder = torch.nn.Module()
+    holder.attn = attn
+    call = lambda m: m.attn(h, attention_mask=bias, position_embeddings=(cos, sin))  # noqa: E731
+    sites = discover_attention(holder, call, images=1)
+    assert [s.kind for s in sites] == ["bias"] and not sites[0].candidate and "refused" in sites[0].reason
+    swap_attention(holder, ["attn"])
+    attn.latte.mode = "linear"
+    with pytest.raises(ValueError, match=r"^attn: .*additive attention bias.*keep this layer exact"):
+        call(holder)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_loss_is_transformers_own_through_mmdet(family):
+    """``HFDetector.loss`` returns transformers' total loss (finite, with gradients) and its terms."""
+    require("mmdet.models")
+    from mmdet.structures import DetDataSample
+    from mmengine.structures import InstanceData
+
+    from latte_plugin.mmdet import HFDetector
+
+    side = FAMILIES[family].probe_size
+    det = HFDetector(family=family, hf_config=FAMILIES[family].architecture).train()
+    ds = DetDataSample(metainfo=dict(img_shape=(side, side)))
+    ds.gt_instances = InstanceData(bboxes=torch.tensor([[10.0, 20.0, 60.0, 90.0]]), labels=torch.tensor([3]))
+    torch.manual_seed(0)
+    logs = det.loss(torch.rand(1, 3, side, side), [ds])
+    assert torch.isfinite(logs["loss"]) and logs["loss"].requires_grad
+    assert len(logs) > 1 and all(not v.requires_grad for k, v in logs.items() if k != "loss")

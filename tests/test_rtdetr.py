@@ -31,9 +31,9 @@ def _hf_model(cfg):
     from transformers import RTDetrConfig, RTDetrForObjectDetection
 
     torch.manual_seed(0)
-    from latte_plugin.hf.rtdetr import _config_kwargs
+    from latte_plugin.hf.detectors import load_config_kwargs
 
-    return RTDetrForObjectDetection(RTDetrConfig(**_config_kwargs(cfg.model.hf_config))).eval()
+    return RTDetrForObjectDetection(RTDetrConfig(**load_config_kwargs(cfg.model.hf_config))).eval()
 
 
 def test_hfrtdetr_equals_hf_reference_on_the_same_weights(tmp_path):

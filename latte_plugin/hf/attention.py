@@ -171,5 +171,8 @@ def latte_attention_forward(
     causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
     if attention_mask is None and causal and n > 1:
         attn_mask = torch.ones(n, m, dtype=torch.bool, device=query.device).triu(m - n + 1)[None, None]
-    out = latte.attend(query, key, value, kpm, attn_mask)  # (B, H, N, d_v)
+    try:
+        out = latte.attend(query, key, value, kpm, attn_mask)  # (B, H, N, d_v)
+    except ValueError as err:  # e.g. an additive bias: name the layer, say what to do
+        raise ValueError(f"{getattr(latte, 'layer_name', type(module).__name__)}: {err}") from None
     return out.transpose(1, 2).contiguous(), None

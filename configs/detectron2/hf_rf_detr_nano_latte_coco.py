@@ -1,0 +1,11 @@
+# RF-DETR Nano (DINOv2-S, windowed): LATTE on 67% of its 3 global ViT blocks + 2 decoder self-attention; windowed blocks stay exact.
+#   python $DETECTRON2/tools/lazyconfig_train_net.py --eval-only \
+#       --config-file configs/detectron2/hf_rf_detr_nano_latte_coco.py model.pretrained=/path/to/hf_dir
+import os
+
+from .hf_detector_latte_coco import dataloader, model, train  # noqa: F401
+
+model.family = "rf_detr"
+model.hf_config = "rf_detr_nano"  # the architecture (configs/hf/coco), for model.pretrained=None: random weights
+# an HF directory of this model (config.json + model.safetensors), resolved against the repository
+model.pretrained = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "hf", "rf_detr_nano")

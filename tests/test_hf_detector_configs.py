@@ -1,0 +1,165 @@
+"""Each transformers detector family's COCO configs, as a user runs them: the architecture of its
+smallest public COCO model with random weights, written by ``save_pretrained`` and loaded with
+every key; calibrated and evaluated on generated data in COCO 2017's layout through
+``tools/calibrate.py`` (mmdet, CocoMetric) and detectron2's own ``lazyconfig_train_net.py
+--eval-only`` (COCOEvaluator). Inputs are small (the family's smallest runnable size)."""
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, require
+
+require("transformers")
+from latte_plugin.hf.detectors import FAMILIES, build_detector  # noqa: E402
+
+SIDE = 320  # one generated size every family runs at: RF-DETR Nano needs 300 encoder tokens, LW-DETR 4 x 4 windows
+# the paper's protocol (score + sigma) on 2 images: the adaptive defaults search 9 configurations, which is
+# what tests/test_configurations.py covers; here the configs and frameworks are under test
+FAST = ["--num-images", "2", "--steps", "1", "--selection", "score", "--correction", "sigma", "--compensate", "never"]
+ARCHS = {fam.name: fam.architecture for fam in FAMILIES.values()}
+#: name -> (mmdet config, detectron2 LazyConfig); test_every_config_is_exercised_by_a_test reads these names:
+#: hf_rt_detr_r18vd_latte_coco.py hf_rt_detr_v2_r18vd_latte_coco.py hf_d_fine_s_latte_coco.py
+#: hf_deimv2_dinov3_s_latte_coco.py hf_lw_detr_tiny_latte_coco.py hf_rf_detr_nano_latte_coco.py
+#: hf_yolos_tiny_latte_coco.py hf_conditional_detr_r50_latte_coco.py hf_deformable_detr_r50_latte_coco.py
+#: hf_detector_latte_coco.py
+CONFIG = "hf_{}_latte_coco.py"
+
+
+@pytest.fixture(scope="module")
+def coco_root(tmp_path_factory):
+    from latte_plugin.data.synthetic import make_coco_layout
+
+    return make_coco_layout(str(tmp_path_factory.mktemp("coco")), num_train=2, num_val=2, size=SIDE, seed=3)
+
+
+def _saved(family: str, path) -> tuple[str, dict]:
+    """A random-weight model of the family's architecture, written as transformers writes it."""
+    torch.manual_seed(0)
+    hf = build_detector(family, ARCHS[family]).eval()
+    hf.save_pretrained(str(path))
+    return str(path), {"hf." + k: v for k, v in hf.state_dict().items()}
+
+
+def _mmdet_cfg(arch: str, root: str, work_dir: str, path: str) -> None:
+    from mmengine.config import Config
+
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", CONFIG.format(arch)))
+    root = root.rstrip("/") + "/"
+    for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
+        cfg[key].dataset.data_root = root
+        for t in cfg[key].dataset.pipeline:
+            if t.get("type") == "Resize":
+                t.update(scale=(SIDE, SIDE), keep_ratio=False)
+    for key in ("val_evaluator", "test_evaluator"):
+        cfg[key].ann_file = root + "annotations/instances_val2017.json"
+    cfg.work_dir = work_dir
+    cfg.default_hooks.checkpoint = None
+    cfg.dump(path)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_mmdet_config_calibrates_and_evaluates_a_save_pretrained_directory(family, coco_root, tmp_path):
+    """``tools/calibrate.py CONFIG --cfg-options model.pretrained=DIR --eval``: every key of the
+    saved model lands, the candidates are found from the model, 67% go linear, CocoMetric reports."""
+    require("mmdet.models")
+    require("mmcv.ops")
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import calibrate as calibrate_tool
+
+    hf_dir, want = _saved(family, tmp_path / "hf")
+    _mmdet_cfg(ARCHS[family], coco_root, str(tmp_path / "w"), str(tmp_path / "cfg.py"))
+    report = calibrate_tool.main([str(tmp_path / "cfg.py"), "--cfg-options", f"model.pretrained={hf_dir}",
+                                  "--work-dir", str(tmp_path / "w"), "--eval", *FAST])
+    n = len(report["candidates"])
+    assert n >= 1 and len(report["linearized"]) == max(1, round(0.67 * n)), report["linearized"]
+    assert set(report["metrics"]) == {"exact", "linearized"}
+    got = torch.load(report["paths"]["checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
+    got = {k: v for k, v in got.items() if ".latte." not in k}
+    assert set(got) == set(want), (sorted(set(want) - set(got))[:3], sorted(set(got) - set(want))[:3])
+    for k, v in want.items():
+        assert torch.equal(got[k].to(v.dtype), v), k
+
+
+def _lazyconfig_train_net():
+    """detectron2's own tools/lazyconfig_train_net.py, imported as a module (from LATTE_DETECTRON2_SRC)."""
+    from test_coco_configs import _d2_script
+
+    script = _d2_script()
+    if script is None:
+        pytest.skip("detectron2's tools/lazyconfig_train_net.py is not installed: set LATTE_DETECTRON2_SRC")
+    spec = importlib.util.spec_from_file_location("lazyconfig_train_net", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _register(root: str) -> str:
+    from detectron2.data import DatasetCatalog
+    from detectron2.data.datasets import register_coco_instances
+
+    for split in ("train", "val"):
+        name = f"latte_hf_coco_{split}"
+        if name not in DatasetCatalog.list():
+            register_coco_instances(name, {}, os.path.join(root, "annotations", f"instances_{split}2017.json"),
+                                    os.path.join(root, f"{split}2017"))
+    return "latte_hf_coco"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_detectron2_lazyconfig_evaluates_a_save_pretrained_directory(family, coco_root, tmp_path, capsys):
+    """``lazyconfig_train_net.py --eval-only --config-file CONFIG model.pretrained=DIR``, in this
+    process: the model calibrates itself on 2 train images at the first evaluation forward
+    (candidates found from the model), COCOEvaluator reports AP; every key of the saved model lands."""
+    require("detectron2")
+    script = _lazyconfig_train_net()
+    hf_dir, want = _saved(family, tmp_path / "hf")
+    name = _register(coco_root)
+    overrides = [f"model.pretrained={hf_dir}", "dataloader.test.mapper.augmentations=[]",
+                 "model.calibration_loader.mapper.augmentations=[]", f"dataloader.test.dataset.names={name}_val",
+                 f"model.calibration_loader.dataset.names={name}_train", "model.latte.num_images=2",
+                 "model.latte.steps=1", "model.latte.selection=score",
+                 "model.latte.correction=sigma", "model.latte.compensate=never", "model.calibration_loader.num_workers=0",
+                 "dataloader.test.num_workers=0", f"train.output_dir={tmp_path / 'out'}", "train.device=cpu"]
+    args = script.default_argument_parser().parse_args(
+        ["--eval-only", "--config-file", os.path.join(ROOT, "configs", "detectron2", CONFIG.format(ARCHS[family])),
+         *overrides])
+    script.main(args)
+    printed = capsys.readouterr().out
+    assert "'bbox'" in printed and "'AP'" in printed, printed[-2000:]
+    from detectron2.config import LazyConfig, instantiate
+
+    cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config_file), overrides + ["model.latte=null"])
+    got = instantiate(cfg.model).state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k].to(v.dtype), v), k
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["deimv2", pytest.param("d_fine", marks=pytest.mark.xfail(
+    strict=True, reason="transformers' D-FINE itself does not export faithfully through torch.onnx's TorchScript "
+    "exporter: the exact model's ONNX differs from torch by ~8 on its own export input (docs/families.md)"))])
+def test_onnx_export_of_the_calibrated_family_gives_torchs_outputs_and_map(family, coco_root, tmp_path):
+    """``tools/calibrate.py`` then ``tools/export_onnx.py --eval`` on the family's config: onnxruntime's
+    raw outputs equal torch's within 1e-4 with the queries matched (the two-stage top-k may swap
+    nearly tied queries), and both give the same CocoMetric mAP."""
+    require("mmdet.models")
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import calibrate as calibrate_tool
+    import export_onnx as export_tool
+
+    hf_dir, _ = _saved(family, tmp_path / "hf")
+    _mmdet_cfg(ARCHS[family], coco_root, str(tmp_path / "w"), str(tmp_path / "cfg.py"))
+    opts = ["--cfg-options", f"model.pretrained={hf_dir}"]
+    report = calibrate_tool.main([str(tmp_path / "cfg.py"), *opts, "--work-dir", str(tmp_path / "w"), *FAST])
+    out = export_tool.main([str(tmp_path / "cfg.py"), report["paths"]["checkpoint"], "--out", str(tmp_path / "m.onnx"),
+                            "--eval", *opts])
+    assert out["linear"] == report["linearized"] and len(out["linear"]) > 0
+    m = out["metrics"]
+    assert m["max_query_matched_diff_val"] < 1e-4, m
+    assert round(m["torch"]["bbox_mAP"], 3) == round(m["onnxruntime"]["bbox_mAP"], 3)
