@@ -8,7 +8,10 @@ configs (random weights: cost does not depend on them), each in a fresh process.
 DETR-R50: ``configs/mmdet/detr_r50_latte_coco.py`` on generated 800x1333 images (the test
 pipeline keeps them at 800x1333: 25x42 = 1050 encoder tokens). RT-DETR-R50vd:
 ``configs/mmdet/rtdetr_r50vd_latte_coco.py`` with an HF R50vd directory, at 640x640.
+DEIMv2-S and D-FINE-S: their ``configs/mmdet/hf_*_latte_coco.py`` with a ``save_pretrained``
+directory of the architecture (``configs/hf/coco``), at 640x640 (DEIMv2-S: 1,600 ViT tokens).
 Peak memory is the child process's peak resident set size (``getrusage`` ``ru_maxrss``).
+Rows of models not run this time are kept from ``--json``.
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ sys.path.insert(0, ROOT)
 MODELS = {
     "detr": dict(name="DETR-R50", config="detr_r50_latte_coco.py", size=(800, 1333), input="800x1333"),
     "rtdetr": dict(name="RT-DETR-R50vd", config="rtdetr_r50vd_latte_coco.py", size=(640, 640), input="640x640"),
+    "deimv2": dict(name="DEIMv2-S", config="hf_deimv2_dinov3_s_latte_coco.py", size=(640, 640), input="640x640",
+                   family="deimv2"),
+    "dfine": dict(name="D-FINE-S", config="hf_d_fine_s_latte_coco.py", size=(640, 640), input="640x640",
+                  family="d_fine"),
 }
 
 
@@ -55,6 +62,13 @@ def prepare(key: str, root: str, work: str, num_images: int) -> list[str]:
         ckpt = os.path.join(root, "detr_r50.pth")
         torch.save({"meta": {}, "state_dict": REG.build(copy.deepcopy(cfg.model)).state_dict()}, ckpt)
         extra = ["--checkpoint", ckpt]
+    elif "family" in m:
+        from latte_plugin.hf.detectors import FAMILIES, build_detector
+
+        hf_dir = os.path.join(root, key)
+        torch.manual_seed(0)
+        build_detector(m["family"], FAMILIES[m["family"]].architecture).save_pretrained(hf_dir)
+        extra = ["--cfg-options", f"model.pretrained={hf_dir}"]
     else:
         sys.path.insert(0, os.path.join(ROOT, "tools"))
         from convert_rtdetr_original import build_config
@@ -100,15 +114,27 @@ def main(argv=None) -> dict:
             cmd = json.loads(out.stdout.strip().splitlines()[-1])
             seconds, gib = measure(cmd)
             rows.append(dict(model=MODELS[key]["name"], input=MODELS[key]["input"], num_images=a.num_images,
-                             seconds=round(seconds, 1), peak_rss_gib=round(gib, 2), threads=os.cpu_count()))
+                             seconds=round(seconds, 1), peak_rss_gib=round(gib, 2), threads=os.cpu_count(),
+                             command=f"python benchmarks/calibration_cost.py --num-images {a.num_images} "
+                                     f"--models {key}"))
             print(f"{rows[-1]['model']:14s} {rows[-1]['input']:9s} {a.num_images} images: {seconds / 60:.1f} min, "
                   f"peak RSS {gib:.2f} GiB", flush=True)
-    out = {"rows": rows, "command": f"python benchmarks/calibration_cost.py --num-images {a.num_images}",
-           "machine": f"{os.cpu_count()} CPU cores"}
+    ran = {r["model"] for r in rows}
+    kept = [r for r in _previous_rows(a.json) if r["model"] not in ran]
+    out = {"rows": kept + rows, "machine": f"{os.cpu_count()} CPU cores"}
     from latte_plugin.core.io import atomic_write_json  # (imports torch: only after the measurements)
 
     atomic_write_json(out, a.json)
     return out
+
+
+def _previous_rows(path: str) -> list[dict]:
+    """The rows already in ``path`` (each with the command that made it), or none."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+    return [dict(r, command=r.get("command", old.get("command", ""))) for r in old.get("rows", [])]
 
 
 if __name__ == "__main__":

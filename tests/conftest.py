@@ -90,3 +90,14 @@ def tiny_cfg(data_root, work_dir, path: str = TINY_CFG, **hook):
         cfg.work_dir = work_dir
     cfg.default_hooks.checkpoint = None
     return cfg
+
+
+def lively(model: torch.nn.Module) -> torch.nn.Module:
+    """Re-initialises every conv with He's normal init, in place. transformers' own random init of
+    some detectors (D-FINE's HGNetV2 + hybrid encoder) shrinks the signal to ~1e-12 by the
+    encoder: every token then scores alike, the two-stage top-k picks among exact ties, and tests
+    compare tie-breaking rather than computation. Trained weights are not like that."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(mod.weight, nonlinearity="relu")
+    return model

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, require
+from tests.conftest import ROOT, lively, require
 
 require("transformers")
 from latte_plugin.hf.detectors import FAMILIES, build_detector  # noqa: E402
@@ -38,7 +38,7 @@ def coco_root(tmp_path_factory):
 def _saved(family: str, path) -> tuple[str, dict]:
     """A random-weight model of the family's architecture, written as transformers writes it."""
     torch.manual_seed(0)
-    hf = build_detector(family, ARCHS[family]).eval()
+    hf = lively(build_detector(family, ARCHS[family])).eval()
     hf.save_pretrained(str(path))
     return str(path), {"hf." + k: v for k, v in hf.state_dict().items()}
 
@@ -141,9 +141,7 @@ def test_detectron2_lazyconfig_evaluates_a_save_pretrained_directory(family, coc
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["deimv2", pytest.param("d_fine", marks=pytest.mark.xfail(
-    strict=True, reason="transformers' D-FINE itself does not export faithfully through torch.onnx's TorchScript "
-    "exporter: the exact model's ONNX differs from torch by ~8 on its own export input (docs/families.md)"))])
+@pytest.mark.parametrize("family", ["deimv2", "d_fine"])
 def test_onnx_export_of_the_calibrated_family_gives_torchs_outputs_and_map(family, coco_root, tmp_path):
     """``tools/calibrate.py`` then ``tools/export_onnx.py --eval`` on the family's config: onnxruntime's
     raw outputs equal torch's within 1e-4 with the queries matched (the two-stage top-k may swap

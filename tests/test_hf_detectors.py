@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import ROOT, require
+from tests.conftest import ROOT, lively, require
 
 require("transformers")
 from latte_plugin.hf.detectors import FAMILIES, build_detector, naive_postprocess, postprocess  # noqa: E402
@@ -17,7 +17,7 @@ TOL = 1e-5
 
 def _model(family: str, seed: int = 0):
     torch.manual_seed(seed)
-    return build_detector(family, FAMILIES[family].architecture).eval()
+    return lively(build_detector(family, FAMILIES[family].architecture)).eval()
 
 
 def _image(side: int, seed: int = 0) -> torch.Tensor:
