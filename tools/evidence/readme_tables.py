@@ -167,7 +167,7 @@ def families_table() -> str:
         exact = [f"{sum(s['kind'] == k for s in sites)} {k}" for k in ("windowed", "cross")
                  if any(s["kind"] == k for s in sites)] + [f"{r['deformable']} deformable"] * bool(r["deformable"])
         tokens = " / ".join(f"{max(s['tokens'] for s in v):,}" for v in linear.values() if v)
-        tests = "equality, candidates, loss, both configs" + (f", {onnx[r['family']]}" if r["family"] in onnx else "")
+        tests = "equality, candidates, loss, mmdet + detectron2 configs" + (f", {onnx[r['family']]}" if r["family"] in onnx else "")
         rows.append([f"`{r['family']}`", r["architecture"], f"{r['size'][0]}x{r['size'][1]}", what,
                      ", ".join(exact) or "-", tokens, tests])
     head = ["family", "architecture (configs/hf/coco)", "default input", "candidates (global softmax)",
