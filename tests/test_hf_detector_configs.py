@@ -24,7 +24,7 @@ ARCHS = {fam.name: fam.architecture for fam in FAMILIES.values()}
 #: hf_rt_detr_r18vd_latte_coco.py hf_rt_detr_v2_r18vd_latte_coco.py hf_d_fine_s_latte_coco.py
 #: hf_deimv2_dinov3_s_latte_coco.py hf_lw_detr_tiny_latte_coco.py hf_rf_detr_nano_latte_coco.py
 #: hf_yolos_tiny_latte_coco.py hf_conditional_detr_r50_latte_coco.py hf_deformable_detr_r50_latte_coco.py
-#: hf_detector_latte_coco.py
+#: hf_detector_latte_coco.py hf_detector_latte_coco_800.py
 CONFIG = "hf_{}_latte_coco.py"
 
 
@@ -161,3 +161,36 @@ def test_onnx_export_of_the_calibrated_family_gives_torchs_outputs_and_map(famil
     m = out["metrics"]
     assert m["max_query_matched_diff_val"] < 1e-4, m
     assert round(m["torch"]["bbox_mAP"], 3) == round(m["onnxruntime"]["bbox_mAP"], 3)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_config_uses_its_familys_size_and_normalisation(family):
+    """The configs evaluate at the family's own input transform (640 x 640, RF-DETR Nano's 384, or
+    DETR / YOLOS' shortest edge 800, longest 1333) and mmdet normalises as the family's processor
+    (the detectron2 wrapper reads the normalisation from the family itself)."""
+    from mmengine.config import Config
+
+    fam, arch = FAMILIES[family], ARCHS[family]
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", CONFIG.format(arch)))
+    resize = next(t for t in cfg.test_dataloader.dataset.pipeline if t["type"] == "Resize")
+    h, w = fam.size
+    assert tuple(resize["scale"]) == ((w, h) if h != w else (h, w)) and resize["keep_ratio"] == (h != w)
+    pre = cfg.model.data_preprocessor
+    assert pre["std"] == pytest.approx([255 * s for s in fam.std] if fam.std else [255, 255, 255])
+    assert cfg.model.family == family and cfg.model.hf_config == arch
+    if _importable_detectron2():
+        from detectron2.config import LazyConfig
+
+        d2 = LazyConfig.load(os.path.join(ROOT, "configs", "detectron2", CONFIG.format(arch)))
+        aug = d2.dataloader.test.mapper.augmentations[0]
+        want = dict(short_edge_length=h, max_size=w) if h != w else dict(shape=(h, w))
+        assert {k: aug[k] for k in want} == want and d2.model.family == family
+        assert d2.model.calibration_loader.mapper.augmentations == d2.dataloader.test.mapper.augmentations
+
+
+def _importable_detectron2() -> bool:
+    try:
+        import detectron2.config  # noqa: F401
+    except ImportError:
+        return False
+    return True

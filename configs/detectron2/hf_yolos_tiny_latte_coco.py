@@ -3,16 +3,9 @@
 #       --config-file configs/detectron2/hf_yolos_tiny_latte_coco.py model.pretrained=/path/to/hf_dir
 import os
 
-import detectron2.data.transforms as T
-from detectron2.config import LazyCall as L
-
-from .hf_detector_latte_coco import dataloader, model, train  # noqa: F401
+from .hf_detector_latte_coco_800 import dataloader, model, train  # noqa: F401
 
 model.family = "yolos"
 model.hf_config = "yolos_tiny"  # the architecture (configs/hf/coco), for model.pretrained=None: random weights
 # an HF directory of this model (config.json + model.safetensors), resolved against the repository
 model.pretrained = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "hf", "yolos_tiny")
-# transformers DETR / YOLOS processors: shortest edge 800, longest 1333, no padding beyond the batch
-dataloader.test.mapper.augmentations = [L(T.ResizeShortestEdge)(short_edge_length=800, max_size=1333)]
-model.calibration_loader.mapper.augmentations = dataloader.test.mapper.augmentations
-model.pad_size_divisor = 1
