@@ -1,0 +1,57 @@
+"""How much a model uses each attention layer: the change of its raw outputs when that one
+layer's attention output is replaced by the mean of its values (``uniform`` mode), every other
+layer exact.
+
+A layer whose branch the network ignores scores ~0: linearizing it cannot lose accuracy, and
+so it is no evidence that linear attention works; a layer the network needs scores high. The
+figure is the relative raw-output distortion of :class:`~latte_plugin.core.fidelity.RawDistortion`
+(squared change over the exact outputs' energy), summed over the images and across processes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .fidelity import RawDistortion
+from .layer import LatteParams, set_modes
+
+__all__ = ["attention_signal", "naive_attention_signal"]
+
+
+@torch.no_grad()
+def attention_signal(layers: dict[str, LatteParams], batches: Sequence[Any], forward: Callable[[Any], Any],
+                     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict[str, float]:
+    """``{layer: relative raw-output change with that layer uniform}``; the layers' modes are restored.
+
+    Args:
+        layers: the LATTE layers (:func:`~latte_plugin.core.layer.find_latte_layers`).
+        batches: this process's images (one batch each).
+        forward: runs one batch; returns raw outputs (tensors, nested ok).
+        all_reduce: sums a tensor across processes in place (``None``: one process).
+    """
+    measure = RawDistortion(forward)
+    saved = {name: layer.mode for name, layer in layers.items()}
+    try:
+        set_modes(layers, [])
+        refs = [forward(b) for b in batches]
+        out = {}
+        for name in layers:
+            set_modes(layers, [name], mode="uniform")
+            total = measure.zeros()
+            for batch, ref in zip(batches, refs):
+                total += measure.sums(ref, forward(batch))
+            if all_reduce is not None:
+                all_reduce(total)
+            out[name] = measure.loss(total)
+        return out
+    finally:
+        for name, layer in layers.items():
+            layer.mode = saved[name]
+
+
+def naive_attention_signal(layer_output: Callable[[str, bool], torch.Tensor], names: Sequence[str]) -> dict[str, float]:
+    """Reference: ``layer_output(name, uniform)`` gives the model's whole output with ``name`` made
+    uniform (``True``) or with every layer exact (``False``); the same ratio, one layer at a time."""
+    exact = layer_output("", False).double()
+    return {n: float(((layer_output(n, True).double() - exact) ** 2).sum() / (exact ** 2).sum()) for n in names}

@@ -1,0 +1,47 @@
+"""The signal measure: a layer the network ignores gives ~0, a layer it needs gives > 0, against
+a plain reference; modes are restored."""
+import torch
+
+from latte_plugin.adapter import swap_attention
+from latte_plugin.core.layer import find_latte_layers
+from latte_plugin.core.signal import attention_signal, naive_attention_signal
+from tests.toy import ToyEncoder, toy_batches
+
+
+def _model():
+    model = ToyEncoder(depth=3).eval()
+    swap_attention(model, ["layers.*.attn"])
+    with torch.no_grad():  # layer 1's attention branch is multiplied by zero: the network ignores it
+        model.layers[1].attn.out_proj.weight.zero_()
+        model.layers[1].attn.out_proj.bias.zero_()
+    return model
+
+
+def test_an_ignored_layer_scores_zero_and_a_needed_one_does_not():
+    model = _model()
+    layers = find_latte_layers(model)
+    batches = toy_batches(n=3)
+    layers["layers.2.attn"].mode = "linear"
+    sig = attention_signal(layers, batches, lambda x: model(x))
+    assert sig["layers.1.attn"] < 1e-12
+    assert sig["layers.0.attn"] > 1e-3 and sig["layers.2.attn"] > 1e-3
+    assert layers["layers.2.attn"].mode == "linear" and layers["layers.0.attn"].mode == "exact"
+
+
+def test_the_signal_equals_its_naive_reference_and_sums_across_processes():
+    model = _model()
+    layers = find_latte_layers(model)
+    x = torch.cat(toy_batches(n=2))
+
+    def whole(name, uniform):
+        for n, layer in layers.items():
+            layer.mode = "uniform" if (uniform and n == name) else "exact"
+        with torch.no_grad():
+            return model(x)
+
+    want = naive_attention_signal(whole, list(layers))
+    got = attention_signal(layers, [x[:2], x[2:]], lambda b: model(b))
+    for name in layers:
+        assert abs(got[name] - want[name]) <= 1e-9 + 1e-6 * want[name], name
+    doubled = attention_signal(layers, [x], lambda b: model(b), all_reduce=lambda t: t.mul_(2))
+    assert abs(doubled["layers.0.attn"] - want["layers.0.attn"]) <= 1e-6 * want["layers.0.attn"]
