@@ -190,6 +190,22 @@ def signal_table() -> str:
                     "uniform)"], rows) + "\n\n" + "; ".join(cmds) + ".")
 
 
+def family_speed_table(family: str) -> str:
+    """benchmarks/family_speed.py: end-to-end latency against input size, exact vs the hybrids."""
+    res = _load(f"family_speed_{family}.json")
+    exact = {r["side"]: r for r in res["rows"] if r["setting"] == "exact"}
+    rows = []
+    for side, ex in exact.items():
+        hyb = {r["setting"]: r for r in res["rows"] if r["side"] == side and r["setting"] != "exact"}
+        rows.append([f"{side}x{side}", f"{ex['tokens']:,}", f"{ex['seconds']:.2f} s", f"{ex['attention_share']:.0%}",
+                     f"{1 / (1 - ex['attention_share']):.2f}x"]
+                    + [f"{ex['seconds'] / h['seconds']:.2f}x ({h['linear']}/{h['candidates']})" for h in hyb.values()]
+                    + [" / ".join(f"{r['peak_rss_gib']:.1f}" for r in [ex, *hyb.values()])])
+    head = ["input", "ViT tokens", "exact latency", "attention share (exact)", "ceiling",
+            *[f"{k} linear speed-up" for k in ("67%", "83%")], "peak RSS GiB (exact / 67% / 83%)"]
+    return _table(head, rows) + f"\n\n`{res['command']}` ({res['machine']}, median of the timed passes)."
+
+
 def example_output() -> str:
     with open(os.path.join(RESULTS, "example_hf_vit.txt"), encoding="utf-8") as f:
         return "```\n" + f.read().rstrip("\n") + "\n```"
@@ -295,6 +311,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "defaults_cost": defaults_cost_table,
     "families": families_table,
     "signal": signal_table,
+    "family_speed:deimv2": lambda: family_speed_table("deimv2"),
     "example_hf_vit": example_output,
 }
 

@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""End-to-end speed against input size for a transformers detector family at its real architecture
+(random weights: speed does not depend on them): exact vs hybrid, same weights, batch 1, CPU fp32.
+
+    python benchmarks/family_speed.py --family deimv2 --sizes 640 896 1280 --reps 3 \
+        --json results/family_speed_deimv2.json [--plot docs/family_speed_deimv2.png]
+
+Each (size, setting) point runs in a fresh process (peak RSS is that process's ``ru_maxrss``),
+with ``--threads`` torch threads, one warm-up pass, then ``--reps`` timed passes (median kept).
+Settings: ``exact``, and the 67% / 83% hybrids. Which candidates go linear is not calibrated
+here: the ones with the longest sequences are taken first (the ViT blocks before AIFI and the
+decoder), so the figure is the speed-up a calibration choosing those layers would give, an upper
+bound for that count. The exact model's share of time inside its candidate attention layers is
+reported at each size: the ceiling any linear attention can lift.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETTINGS = {"exact": 0.0, "67%": 0.67, "83%": 0.83}
+
+
+def run_point(family: str, side: int, setting: str, reps: int, threads: int) -> dict:
+    """In this process: build, set the modes, time; returns the point's figures."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from latte_plugin.adapter import swap_attention
+    from latte_plugin.core.layer import find_latte_layers, set_modes
+    from latte_plugin.core.selection import num_linear_layers
+    from latte_plugin.hf.detectors import FAMILIES, build_detector
+    from latte_plugin.hf.discovery import discover_attention
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build_detector(family, FAMILIES[family].architecture).eval()
+    x = torch.rand(1, 3, side, side)
+    sites = [s for s in discover_attention(model, lambda m: m(pixel_values=x), images=1) if s.candidate]
+    swap_attention(model, [s.name for s in sites])
+    layers = find_latte_layers(model)
+    k = num_linear_layers(len(sites), SETTINGS[setting]) if SETTINGS[setting] else 0
+    linear = [s.name for s in sorted(sites, key=lambda s: -s.tokens)[:k]]
+    set_modes(layers, linear)
+    spent = _attention_clock(model, [s.name for s in sites])
+    with torch.no_grad():
+        model(pixel_values=x)  # warm-up
+        times, shares = [], []
+        for _ in range(reps):
+            spent[0] = 0.0
+            t0 = time.perf_counter()
+            model(pixel_values=x)
+            times.append(time.perf_counter() - t0)
+            shares.append(spent[0] / times[-1])
+    return dict(family=family, side=side, setting=setting, linear=len(linear), candidates=len(sites),
+                tokens=max(s.tokens for s in sites), seconds=statistics.median(times), runs=times,
+                attention_share=statistics.median(shares), threads=threads)
+
+
+def _attention_clock(model, names: list[str]) -> list[float]:
+    """Adds the wall time spent inside the named modules to ``clock[0]`` on every forward."""
+    clock, started = [0.0], {}
+    modules = dict(model.named_modules())
+    for name in names:
+        mod = modules[name]
+        mod.register_forward_pre_hook(lambda m, a, started=started: started.__setitem__(id(m), time.perf_counter()))
+        mod.register_forward_hook(
+            lambda m, a, o, started=started: clock.__setitem__(0, clock[0] + time.perf_counter() - started[id(m)]))
+    return clock
+
+
+def measure(family: str, side: int, setting: str, reps: int, threads: int) -> dict:
+    """One point in a fresh child process; adds its peak RSS (GiB)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--point", family, str(side), setting, "--reps", str(reps),
+           "--threads", str(threads)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed")
+    row = json.loads(out.strip().splitlines()[-1])
+    row["peak_rss_gib"] = round(usage.ru_maxrss / 2**20, 2)
+    return row
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    exact = {r["side"]: r["seconds"] for r in rows if r["setting"] == "exact"}
+    for setting in [s for s in SETTINGS if s != "exact"]:
+        pts = sorted((r["tokens"], exact[r["side"]] / r["seconds"]) for r in rows if r["setting"] == setting)
+        ax.plot(*zip(*pts), marker="o", label=f"{setting} linear")
+    share = sorted((r["tokens"], 1 / (1 - r["attention_share"])) for r in rows if r["setting"] == "exact")
+    ax.plot(*zip(*share), linestyle="--", color="grey", label="ceiling (attention time removed)")
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens of the longest candidate")
+    ax.set_ylabel("end-to-end speed-up vs exact")
+    ax.set_title(f"{rows[0]['family']}: CPU fp32, batch 1, {rows[0]['threads']} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="deimv2")
+    p.add_argument("--sizes", type=int, nargs="+", default=[640, 896, 1280], help="square input sides")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--plot", default=None, help="write the speed-up plot here (PNG)")
+    p.add_argument("--point", nargs=3, metavar=("FAMILY", "SIDE", "SETTING"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.point:  # a child: one point, printed as JSON
+        print(json.dumps(run_point(a.point[0], int(a.point[1]), a.point[2], a.reps, a.threads)))
+        return {}
+    rows = []
+    for side in a.sizes:
+        for setting in SETTINGS:
+            rows.append(measure(a.family, side, setting, a.reps, a.threads))
+            r = rows[-1]
+            print(f"{a.family} {side}px {setting:5s} {r['seconds']:.3f} s  attention {r['attention_share']:.0%}  "
+                  f"RSS {r['peak_rss_gib']:.2f} GiB", flush=True)
+    out = {"rows": rows, "command": "python benchmarks/family_speed.py " + " ".join(argv or sys.argv[1:]),
+           "machine": f"{os.cpu_count()} CPU cores"}
+    if a.json:
+        sys.path.insert(0, ROOT)
+        from latte_plugin.core.io import atomic_write_json
+
+        atomic_write_json(out, a.json)
+    if a.plot:
+        plot(rows, a.plot)
+    return out
+
+
+if __name__ == "__main__":
+    main()
