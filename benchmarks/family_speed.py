@@ -36,13 +36,13 @@ def run_point(family: str, side: int, setting: str, reps: int, threads: int) -> 
     from latte_plugin.core.layer import find_latte_layers, set_modes
     from latte_plugin.core.selection import num_linear_layers
     from latte_plugin.hf.detectors import FAMILIES, build_detector
-    from latte_plugin.hf.discovery import discover_attention
+    from latte_plugin.hf.discovery import detector_sites
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = build_detector(family, FAMILIES[family].architecture).eval()
     x = torch.rand(1, 3, side, side)
-    sites = [s for s in discover_attention(model, lambda m: m(pixel_values=x), images=1) if s.candidate]
+    sites = [s for s in detector_sites(model, (side, side)) if s.candidate]
     swap_attention(model, [s.name for s in sites])
     layers = find_latte_layers(model)
     k = num_linear_layers(len(sites), SETTINGS[setting]) if SETTINGS[setting] else 0

@@ -35,8 +35,8 @@ from ..adapter import ensure_calibrated, swap_attention
 from ..core.layer import find_latte_layers
 from ..core.settings import LatteConfig
 from ..core.io import CheckpointError, key_mismatch, mismatch_message
-from ..hf.detectors import (build_detector, detection_targets, detector_outputs, family_of, pixel_mask_of,
-                            postprocess)
+from ..hf.detectors import (build_detector, default_top_k, detection_targets, detector_outputs, family_of,
+                            pixel_mask_of, postprocess)
 
 __all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteHFDetector", "LatteRTDETR"]
 
@@ -172,19 +172,16 @@ class LatteHFDetector(LatteMetaArch):
         super().__init__()
         self.hf = build_detector(family, _plain(hf_config), pretrained, _plain(hf_overrides))
         self.family = family_of(self.hf)
-        queries = getattr(self.hf.config, "num_queries", None) or self.hf.config.num_detection_tokens
-        self.max_per_img = int(max_per_img or self.family.top_k or queries)
+        self.max_per_img = int(max_per_img or default_top_k(self.hf))
         self.pad_size_divisor = int(pad_size_divisor)
         self.latte_sites: list = []
         self._setup_latte(latte, calibration_loader, allow_partial_load)
 
     def latte_candidates(self) -> list[str]:
         """The global softmax attention layers, found by one probe forward (``candidates='auto'``)."""
-        from ..hf.discovery import candidate_names, discover_attention
+        from ..hf.discovery import candidate_names, detector_sites
 
-        side = self.family.probe_size
-        x = torch.zeros(1, 3, side, side, device=self.device)
-        self.latte_sites = discover_attention(self.hf, lambda m: m(pixel_values=x), images=1, prefix="hf.")
+        self.latte_sites = detector_sites(self.hf, prefix="hf.")
         return candidate_names(self.latte_sites)
 
     def preprocess(self, batched_inputs: list[dict]) -> tuple[torch.Tensor, list[tuple[int, int]]]:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Family", "FAMILIES", "family_of", "build_detector", "detector_outputs", "postprocess",
-           "naive_postprocess", "detection_targets", "loss_logs", "pixel_mask_of", "load_config_kwargs"]
+           "naive_postprocess", "detection_targets", "default_top_k", "loss_logs", "pixel_mask_of", "load_config_kwargs"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -158,6 +158,12 @@ def build_detector(family: Optional[str] = None, hf_config: Union[None, dict, st
     fam = family_of(family or "rt_detr")
     config = getattr(transformers, fam.config_class)(**load_config_kwargs(hf_config))
     return getattr(transformers, fam.model_class)(config)
+
+
+def default_top_k(model: nn.Module) -> int:
+    """Detections per image the family's image processor keeps: its ``top_k``, else every query."""
+    cfg = model.config
+    return int(family_of(model).top_k or getattr(cfg, "num_queries", None) or cfg.num_detection_tokens)
 
 
 def pixel_mask_of(batch: Tensor, sizes: Sequence[tuple[int, int]]) -> Tensor:

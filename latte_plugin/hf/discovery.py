@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .attention import _fallback, is_hf_attention
 
-__all__ = ["AttentionSite", "discover_attention", "candidate_names", "KIND_REASONS"]
+__all__ = ["AttentionSite", "discover_attention", "detector_sites", "candidate_names", "KIND_REASONS"]
 
 PROBE_IMPLEMENTATION = "latte_probe"
 
@@ -166,6 +166,16 @@ def discover_attention(model: nn.Module, run: Callable[[nn.Module], object], ima
     for site in sites.values():
         _classify(site, images)
     return list(sites.values())
+
+
+def detector_sites(hf: nn.Module, size: Optional[tuple[int, int]] = None, prefix: str = "") -> list[AttentionSite]:
+    """:func:`discover_attention` for a transformers detector: one zero image of ``size`` (default:
+    its family's smallest runnable square, ``Family.probe_size``)."""
+    from .detectors import family_of
+
+    side = family_of(hf).probe_size
+    x = torch.zeros(1, 3, *(size or (side, side)), device=next(hf.parameters()).device)
+    return discover_attention(hf, lambda m: m(pixel_values=x), images=1, prefix=prefix)
 
 
 def candidate_names(sites: list[AttentionSite]) -> list[str]:

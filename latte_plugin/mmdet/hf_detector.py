@@ -27,9 +27,9 @@ from mmdet.structures import OptSampleList, SampleList
 from mmengine.structures import InstanceData
 from torch import Tensor
 
-from ..hf.detectors import (build_detector, detection_targets, detector_outputs, family_of, loss_logs, pixel_mask_of,
-                            postprocess)
-from ..hf.discovery import AttentionSite, candidate_names, discover_attention
+from ..hf.detectors import (build_detector, default_top_k, detection_targets, detector_outputs, family_of, loss_logs,
+                            pixel_mask_of, postprocess)
+from ..hf.discovery import AttentionSite, candidate_names, detector_sites
 from ..hf.rtdetr import RTDETR_CANDIDATES
 
 __all__ = ["HFDetector", "HFRTDETR", "RTDETR_CANDIDATES"]
@@ -59,7 +59,7 @@ class HFDetector(BaseDetector):
         self.hf = build_detector(family, hf_config, pretrained, hf_overrides)
         self.family = family_of(self.hf)
         self.test_cfg = dict(test_cfg or {})
-        self.max_per_img = int(self.test_cfg.get("max_per_img", self.family.top_k or _num_queries(self.hf)))
+        self.max_per_img = int(self.test_cfg.get("max_per_img", default_top_k(self.hf)))
         self.latte_sites: list[AttentionSite] = []
 
     def init_weights(self) -> None:
@@ -67,11 +67,7 @@ class HFDetector(BaseDetector):
 
     def latte_candidates(self) -> list[str]:
         """The global softmax attention layers, found by one probe forward (``candidates='auto'``)."""
-        import torch
-
-        side = self.family.probe_size
-        x = torch.zeros(1, 3, side, side, device=next(self.parameters()).device)
-        self.latte_sites = discover_attention(self.hf, lambda m: m(pixel_values=x), images=1, prefix="hf.")
+        self.latte_sites = detector_sites(self.hf, prefix="hf.")
         return candidate_names(self.latte_sites)
 
     # -- mmdet interface -------------------------------------------------------------------
@@ -122,11 +118,6 @@ class HFDetector(BaseDetector):
             inst.bboxes, inst.scores, inst.labels = bboxes, scores, labels
             results.append(inst)
         return self.add_pred_to_datasample(batch_data_samples, results)
-
-
-def _num_queries(hf) -> int:
-    cfg = hf.config
-    return int(getattr(cfg, "num_queries", None) or getattr(cfg, "num_detection_tokens"))
 
 
 @MODELS.register_module()

@@ -22,13 +22,12 @@ def family_row(name: str) -> dict:
     import torch
 
     from latte_plugin.hf.detectors import FAMILIES, build_detector
-    from latte_plugin.hf.discovery import discover_attention
+    from latte_plugin.hf.discovery import detector_sites
 
     fam = FAMILIES[name]
     torch.manual_seed(0)
     model = build_detector(name, fam.architecture).eval()
-    x = torch.zeros(1, 3, *fam.size)
-    sites = discover_attention(model, lambda m: m(pixel_values=x), images=1)
+    sites = detector_sites(model, tuple(fam.size))
     return {"family": name, "architecture": fam.architecture, "size": list(fam.size),
             "mmdet_config": f"configs/mmdet/hf_{fam.architecture}_latte_coco.py",
             "detectron2_config": f"configs/detectron2/hf_{fam.architecture}_latte_coco.py",
