@@ -10,7 +10,9 @@ with ``--threads`` torch threads, one warm-up pass, then ``--reps`` timed passes
 Settings: ``exact``, and the 67% / 83% hybrids. Which candidates go linear is not calibrated
 here: the ones with the longest sequences are taken first (the ViT blocks before AIFI and the
 decoder), so the figure is the speed-up a calibration choosing those layers would give, an upper
-bound for that count. The exact model's share of time inside its candidate attention layers is
+bound for that count. With ``--linear-from results/main_job_X.json`` the linear sets are the ones
+the calibration chose (its ``ours:auto`` and ``ours:auto@83%`` rows), with ``--hf-config`` another
+architecture (e.g. the embedded ViT detector's ``configs/hf/deimv2_vit6_synthetic.json``). The exact model's share of time inside its candidate attention layers is
 reported at each size: the ceiling any linear attention can lift.
 """
 from __future__ import annotations
@@ -22,45 +24,89 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = {"exact": 0.0, "67%": 0.67, "83%": 0.83}
 
 
-def run_point(family: str, side: int, setting: str, reps: int, threads: int) -> dict:
+#: The main-job rows whose calibrated linear sets ``--linear-from`` takes, per setting.
+CALIBRATED_ROWS = {"67%": "ours:auto", "83%": "ours:auto@83%"}
+
+
+def calibrated_linear(path: str, setting: str) -> list[str]:
+    """The HF module names a main job's calibration made linear for ``setting`` (mmdet's ``hf.`` dropped)."""
+    with open(path, encoding="utf-8") as f:
+        row = json.load(f)["metrics"][CALIBRATED_ROWS[setting]]
+    return [n[3:] if n.startswith("hf.") else n for n in row["linearized"]]
+
+
+def run_point(family: str, side: int, setting: str, reps: int, threads: int, hf_config: Optional[str] = None,
+              linear_from: Optional[str] = None) -> dict:
     """In this process: build, set the modes, time; returns the point's figures."""
     import torch
 
     sys.path.insert(0, ROOT)
-    from latte_plugin.adapter import swap_attention
     from latte_plugin.core.layer import find_latte_layers, set_modes
     from latte_plugin.core.selection import num_linear_layers
-    from latte_plugin.hf.detectors import FAMILIES, build_detector
-    from latte_plugin.hf.discovery import detector_sites
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = build_detector(family, FAMILIES[family].architecture).eval()
-    x = torch.rand(1, 3, side, side)
-    sites = [s for s in detector_sites(model, (side, side)) if s.candidate]
-    swap_attention(model, [s.name for s in sites])
+    build = build_detr_r50 if family == "detr_r50" else build_hf
+    model, forward, tokens = build(family, side, hf_config)
     layers = find_latte_layers(model)
-    k = num_linear_layers(len(sites), SETTINGS[setting]) if SETTINGS[setting] else 0
-    linear = [s.name for s in sorted(sites, key=lambda s: -s.tokens)[:k]]
+    k = num_linear_layers(len(tokens), SETTINGS[setting]) if SETTINGS[setting] else 0
+    linear = sorted(tokens, key=lambda n: -tokens[n])[:k]
+    if linear_from and k:
+        linear = calibrated_linear(linear_from, setting)
     set_modes(layers, linear)
-    spent = _attention_clock(model, [s.name for s in sites])
+    spent = _attention_clock(model, list(tokens))
     with torch.no_grad():
-        model(pixel_values=x)  # warm-up
+        forward()  # warm-up
         times, shares = [], []
         for _ in range(reps):
             spent[0] = 0.0
             t0 = time.perf_counter()
-            model(pixel_values=x)
+            forward()
             times.append(time.perf_counter() - t0)
             shares.append(spent[0] / times[-1])
-    return dict(family=family, side=side, setting=setting, linear=len(linear), candidates=len(sites),
-                tokens=max(s.tokens for s in sites), seconds=statistics.median(times), runs=times,
+    return dict(family=family, side=side, setting=setting, linear=len(linear), candidates=len(tokens),
+                tokens=max(tokens.values()), seconds=statistics.median(times), runs=times,
                 attention_share=statistics.median(shares), threads=threads)
+
+
+def build_hf(family: str, side: int, hf_config: Optional[str]) -> tuple:
+    """A transformers detector with LATTE in every candidate: ``(model, forward(), {candidate: tokens})``."""
+    import torch
+
+    from latte_plugin.adapter import swap_attention
+    from latte_plugin.hf.detectors import FAMILIES, build_detector
+    from latte_plugin.hf.discovery import detector_sites
+
+    model = build_detector(family, hf_config or FAMILIES[family].architecture).eval()
+    x = torch.rand(1, 3, side, side)
+    sites = [s for s in detector_sites(model, (side, side)) if s.candidate]
+    swap_attention(model, [s.name for s in sites])
+    return model, lambda: model(pixel_values=x), {s.name: s.tokens for s in sites}
+
+
+def build_detr_r50(family: str, side: int, hf_config: Optional[str]) -> tuple:
+    """mmdet's DETR-R50 (``benchmarks/detector.py``: real architecture, random weights) with LATTE in
+    its 6 encoder layers, on a ``side`` x ``side`` input (stride 32): ``(model, forward(), {layer: tokens})``."""
+    import importlib.util
+
+    import torch
+    from mmdet.structures import DetDataSample
+
+    # loaded from its file: benchmarks/ on sys.path would let benchmarks/onnx.py shadow the onnx package
+    spec = importlib.util.spec_from_file_location("detector_bench", os.path.join(ROOT, "benchmarks", "detector.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, names, _ = bench.detr_r50_with_latte()
+    x = torch.randn(1, 3, side, side)
+    sample = DetDataSample(metainfo=dict(img_shape=(side, side), batch_input_shape=(side, side), pad_shape=(side, side)))
+    tokens = ((side + 31) // 32) ** 2
+    return model, lambda: model(x, [sample], mode="tensor"), {n: tokens for n in names}
 
 
 def _attention_clock(model, names: list[str]) -> list[float]:
@@ -75,10 +121,10 @@ def _attention_clock(model, names: list[str]) -> list[float]:
     return clock
 
 
-def measure(family: str, side: int, setting: str, reps: int, threads: int) -> dict:
-    """One point in a fresh child process; adds its peak RSS (GiB)."""
+def measure(family: str, side: int, setting: str, reps: int, threads: int, extra: Sequence[str] = ()) -> dict:
+    """One point in a fresh child process (``extra``: more of this script's options); adds its peak RSS (GiB)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--point", family, str(side), setting, "--reps", str(reps),
-           "--threads", str(threads)]
+           "--threads", str(threads), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     out = proc.stdout.read()
@@ -107,7 +153,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("tokens of the longest candidate")
     ax.set_ylabel("end-to-end speed-up vs exact")
-    ax.set_title(f"{rows[0]['family']}: CPU fp32, batch 1, {rows[0]['threads']} threads")
+    ax.set_title(f"{rows[0].get('model', rows[0]['family'])}: CPU fp32, batch 1, {rows[0]['threads']} threads")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -115,21 +161,29 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="deimv2")
+    p.add_argument("--family", default="deimv2", help="a latte_plugin.hf family, or detr_r50 (mmdet's DETR-R50)")
     p.add_argument("--sizes", type=int, nargs="+", default=[640, 896, 1280], help="square input sides")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--plot", default=None, help="write the speed-up plot here (PNG)")
+    p.add_argument("--hf-config", default=None, help="an architecture JSON instead of the family's (configs/hf/...)")
+    p.add_argument("--linear-from", default=None,
+                   help="a main job's results JSON: use the linear sets its calibration chose (rows ours:auto, ours:auto@83%%)")
+    p.add_argument("--label", default=None, help="the model's name in the plot and the rows (default: the family)")
     p.add_argument("--point", nargs=3, metavar=("FAMILY", "SIDE", "SETTING"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.point:  # a child: one point, printed as JSON
-        print(json.dumps(run_point(a.point[0], int(a.point[1]), a.point[2], a.reps, a.threads)))
+        print(json.dumps(run_point(a.point[0], int(a.point[1]), a.point[2], a.reps, a.threads, a.hf_config,
+                                   a.linear_from)))
         return {}
+    extra = [opt for name, opt in (("hf_config", "--hf-config"), ("linear_from", "--linear-from"))
+             for opt in ((opt, getattr(a, name)) if getattr(a, name) else ())]
     rows = []
     for side in a.sizes:
         for setting in SETTINGS:
-            rows.append(measure(a.family, side, setting, a.reps, a.threads))
+            rows.append(dict(measure(a.family, side, setting, a.reps, a.threads, extra), model=a.label or a.family,
+                             calibrated_sets=bool(a.linear_from)))
             r = rows[-1]
             print(f"{a.family} {side}px {setting:5s} {r['seconds']:.3f} s  attention {r['attention_share']:.0%}  "
                   f"RSS {r['peak_rss_gib']:.2f} GiB", flush=True)

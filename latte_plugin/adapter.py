@@ -213,12 +213,13 @@ def ensure_calibrated(adapter: Adapter, model: nn.Module, cfg: LatteConfig,
 
 def format_layer_table(report: dict) -> str:
     """A per-layer table of the calibration report, for the log."""
-    rows = [f"{'layer':42s} {'sens.':>10s} {'alpha':>8s} {'delta':>9s} {'mse0':>10s} {'mse':>10s}  state"]
+    rows = [f"{'layer':42s} {'sens.':>10s} {'signal':>9s} {'alpha':>8s} {'delta':>9s} {'mse0':>10s} {'mse':>10s}  state"]
+    signal = report.get("signal") or {}
     for n in report["candidates"]:
         p, f = report["params"][n], report["fit"][n]
         state = "LINEAR" if n in report["linearized"] else "exact"
-        rows.append(f"{n:42s} {report['sensitivity'][n]:10.4e} {p['alpha']:8.4f} {p['delta_q']:9.4g} "
-                    f"{f['mse_initial']:10.3e} {f['mse_final']:10.3e}  {state}")
+        rows.append(f"{n:42s} {report['sensitivity'][n]:10.4e} {signal.get(n, float('nan')):9.2e} {p['alpha']:8.4f} "
+                    f"{p['delta_q']:9.4g} {f['mse_initial']:10.3e} {f['mse_final']:10.3e}  {state}")
     return "\n".join(rows)
 
 

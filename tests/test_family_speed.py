@@ -7,12 +7,16 @@ from tests.conftest import ROOT, require
 require("transformers")
 
 
-def test_family_speed_rows_have_every_setting_and_their_fields(tmp_path):
+def _family_speed():
     # loaded from its file: putting benchmarks/ on sys.path would let benchmarks/onnx.py shadow the onnx package
     spec = importlib.util.spec_from_file_location("family_speed", os.path.join(ROOT, "benchmarks", "family_speed.py"))
     family_speed = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(family_speed)
+    return family_speed
 
+
+def test_family_speed_rows_have_every_setting_and_their_fields(tmp_path):
+    family_speed = _family_speed()
     out = family_speed.main(["--family", "rt_detr", "--sizes", "128", "--reps", "1", "--threads", "1",
                              "--json", str(tmp_path / "speed.json"), "--plot", str(tmp_path / "speed.png")])
     assert [r["setting"] for r in out["rows"]] == list(family_speed.SETTINGS)
@@ -21,3 +25,30 @@ def test_family_speed_rows_have_every_setting_and_their_fields(tmp_path):
         assert 0.0 <= r["attention_share"] < 1.0 and r["seconds"] > 0 and len(r["runs"]) == 1
     assert [r["linear"] for r in out["rows"]] == [0, 3, 3]  # 67% and 83% of RT-DETR-R18's 4 candidates
     assert os.path.getsize(tmp_path / "speed.png") > 0 and os.path.isfile(tmp_path / "speed.json")
+
+
+def test_family_speed_takes_another_architecture_and_the_calibrated_linear_sets(tmp_path):
+    import json
+
+    from latte_plugin.hf.detectors import build_detector
+    from latte_plugin.hf.discovery import detector_sites
+
+    family_speed = _family_speed()
+    arch = os.path.join(ROOT, "configs", "hf", "deimv2_vit6_synthetic.json")
+    names = [s.name for s in detector_sites(build_detector("deimv2", arch).eval(), (128, 128)) if s.candidate]
+    assert len(names) == 10  # 6 ViT blocks, AIFI, 3 decoder self-attention
+    # a main job's results as mmdet's HFDetector names them ("hf." + the HF module's name)
+    chosen = {"ours:auto": ["hf." + n for n in names[-2:]], "ours:auto@83%": ["hf." + n for n in names[:3]]}
+    main_job = tmp_path / "main_job.json"
+    main_job.write_text(json.dumps({"metrics": {row: {"linearized": lin} for row, lin in chosen.items()}}))
+    out = family_speed.main(["--family", "deimv2", "--hf-config", arch, "--linear-from", str(main_job), "--label", "vit",
+                             "--sizes", "128", "--reps", "1", "--threads", "1"])
+    assert [(r["setting"], r["linear"], r["candidates"], r["model"]) for r in out["rows"]] == [
+        ("exact", 0, 10, "vit"), ("67%", 2, 10, "vit"), ("83%", 3, 10, "vit")]
+    assert family_speed.calibrated_linear(str(main_job), "67%") == names[-2:]
+
+
+def test_family_speed_runs_mmdets_detr_r50():
+    require("mmdet")
+    out = _family_speed().main(["--family", "detr_r50", "--sizes", "128", "--reps", "1", "--threads", "1"])
+    assert [(r["linear"], r["candidates"], r["tokens"]) for r in out["rows"]] == [(0, 6, 16), (4, 6, 16), (5, 6, 16)]

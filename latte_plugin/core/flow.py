@@ -24,6 +24,7 @@ from .layer import LatteParams, find_latte_layers, set_modes
 from .report import build_report, fit_entry
 from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_layers, scores, select_by_score, summed_stats
 from .settings import LatteConfig
+from .signal import attention_signal
 
 __all__ = ["calibrate_model", "AUTO_SELECTIONS"]
 
@@ -80,9 +81,10 @@ def calibrate_model(
     held = _heldout_figures(run, chosen, corrections, halves, fidelity)
     sens = scores(summed_stats(h.stats for h in halves), cfg.lam)
     _apply_selection(run, chosen.layers, sens)
+    signal = attention_signal(run.layers, [b for _, b in run.split.used], forward, run.reduce)
     model.train(was_training)
     report = build_report(run.layers, cfg, run.split, run.reduce, k, chosen.layers, sens, fits, trace,
-                          sum(h.tokens for h in halves), held.get("raw_mse"))
+                          sum(h.tokens for h in halves), held.get("raw_mse"), signal)
     report["selection"].update(how, configuration=chosen.name, heldout=held)
     return report
 

@@ -24,15 +24,19 @@ def fit_entry(res: FitResult) -> dict:
 
 def build_report(layers: dict[str, LatteParams], cfg: LatteConfig, split: CalibrationSplit, reduce: AllReduce, k: int,
                  chosen: list[str], sens: dict, fits: dict, trace: list, tokens: Tensor,
-                 heldout_distortion: Optional[float] = None) -> dict:
+                 heldout_distortion: Optional[float] = None, signal: Optional[dict] = None) -> dict:
     """The report of one calibration; ``tokens``: ``(token rows, images)`` per layer, summed over
-    the scored images (each layer's mean token count gives its attention FLOPs)."""
+    the scored images (each layer's mean token count gives its attention FLOPs); ``signal``: each
+    candidate's :func:`~latte_plugin.core.signal.attention_signal` (how much the exact model's
+    outputs move with that layer's attention replaced by its mean: ~0 for a branch the network
+    ignores, where going linear proves nothing)."""
     names = list(layers)
     shapes = {n: (int(round(float(tokens[i, 0] / tokens[i, 1]))),) * 2 for i, n in enumerate(names)}
     return {
         "variant": cfg.variant,
         "candidates": names,
         "sensitivity": sens,
+        "signal": signal or {},
         "linearized": chosen,
         "params": {n: layers[n].scalars() for n in names},
         "sigma_mean": {n: float(layers[n].sigma.mean()) for n in names},

@@ -29,7 +29,7 @@ DEFAULT_CHECKPOINT = "checkpoints/cond_detr_r18_synthetic.pth"
 def format_table(rows: dict) -> str:
     w = max([18] + [len(n) for n in rows])
     head = (f"{'row':{w}s} {'linear':>6s} {'bbox_mAP':>8s} {'mAP@.5':>7s} {'% kept':>7s} "
-            f"{'attn GFLOPs':>11s} {'speed-up':>9s} {'held-out dist.':>14s} {'held-out mse':>12s}")
+            f"{'attn GFLOPs':>11s} {'speed-up':>9s} {'held-out dist.':>14s} {'held-out mse':>12s} {'min signal':>10s}")
     out = [head, "-" * len(head)]
 
     def num(x, fmt):
@@ -39,7 +39,8 @@ def format_table(rows: dict) -> str:
         kept = 100 * r["retained"] if not math.isnan(r["retained"]) else float("nan")
         out.append(f"{name:{w}s} {r['linear']:>6s} {r['bbox_mAP']:8.4f} {r['bbox_mAP_50']:7.4f} {kept:7.1f} "
                    f"{r['attention_gflops']:11.4f} {r['encoder_latency_ratio']:8.2f}x "
-                   f"{num(r.get('heldout_distortion'), '14.4e')} {num(r.get('heldout_mse'), '12.4e')}")
+                   f"{num(r.get('heldout_distortion'), '14.4e')} {num(r.get('heldout_mse'), '12.4e')} "
+                   f"{num(r.get('weakest_signal'), '10.2e')}")
     return "\n".join(out)
 
 

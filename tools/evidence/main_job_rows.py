@@ -204,8 +204,10 @@ def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, t
 
 def add_gflops_and_kept(results: dict, reports: dict, rows: list, model) -> None:
     """Each row's attention GFLOPs (from the token counts calibration measured; self-attention:
-    M = N) and the share of the exact mAP it keeps, in place."""
+    M = N), the share of the exact mAP it keeps and its weakest linear layer's signal (the exact
+    model's, measured on the same calibration images by every row's calibration), in place."""
     shapes = next(iter(reports.values()))["tokens"] if reports else {}
+    signal = next((rep["signal"] for rep in reports.values() if rep.get("signal")), {})
     pairs = {n: (t, t) for n, t in shapes.items()}
     layers = find_latte_layers(model)
     exact_map = results.get("exact", {}).get("bbox_mAP", float("nan"))
@@ -214,6 +216,8 @@ def add_gflops_and_kept(results: dict, reports: dict, rows: list, model) -> None
         mode = "uniform" if row.kind == "uniform" else "linear"
         r["attention_gflops"] = attention_gflops(pairs, layers, r["linearized"], mode) if shapes else float("nan")
         r["retained"] = r["bbox_mAP"] / exact_map if exact_map and exact_map > 0 else float("nan")
+        weakest = [signal[n] for n in r["linearized"] if n in signal]
+        r["weakest_signal"] = min(weakest) if weakest else None
 
 
 def row_fits(rep: dict) -> list[dict]:

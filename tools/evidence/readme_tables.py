@@ -57,9 +57,9 @@ def main_job_table(model: str) -> str:
                      _num(100 * m["retained"] if m.get("retained") is not None else None, ".1f"),
                      f"{m['attention_gflops']:.4f}", _num(m.get("heldout_distortion"), ".3e"),
                      _num(m.get("heldout_fidelity"), ".3f"), _num(m.get("heldout_mse"), ".3e"),
-                     _num(m.get("calibration_seconds") or None, ".0f")])
+                     _num(m.get("weakest_signal"), ".1e"), _num(m.get("calibration_seconds") or None, ".0f")])
     head = ["row", "linear", "bbox mAP", "mAP@.5", "% kept", "attn GFLOPs", "held-out distortion",
-            "held-out detection disagreement", "held-out layer MSE", "calibration s"]
+            "held-out detection disagreement", "held-out layer MSE", "weakest linear layer's signal", "calibration s"]
     return _table(head, rows) + f"\n\n`{res['command']}`: {res['seconds'] / 60:.1f} min on 2 CPU cores."
 
 
