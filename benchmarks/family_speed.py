@@ -37,7 +37,7 @@ CALIBRATED_ROWS = {"67%": "ours:auto", "83%": "ours:auto@83%"}
 def calibrated_linear(path: str, setting: str) -> list[str]:
     """The HF module names a main job's calibration made linear for ``setting`` (mmdet's ``hf.`` dropped)."""
     with open(path, encoding="utf-8") as f:
-        row = json.load(f)["metrics"][CALIBRATED_ROWS[setting]]
+        row = json.load(f)["rows"][CALIBRATED_ROWS[setting]]
     return [n[3:] if n.startswith("hf.") else n for n in row["linearized"]]
 
 

@@ -40,7 +40,7 @@ def test_family_speed_takes_another_architecture_and_the_calibrated_linear_sets(
     # a main job's results as mmdet's HFDetector names them ("hf." + the HF module's name)
     chosen = {"ours:auto": ["hf." + n for n in names[-2:]], "ours:auto@83%": ["hf." + n for n in names[:3]]}
     main_job = tmp_path / "main_job.json"
-    main_job.write_text(json.dumps({"metrics": {row: {"linearized": lin} for row, lin in chosen.items()}}))
+    main_job.write_text(json.dumps({"rows": {row: {"linearized": lin} for row, lin in chosen.items()}}))
     out = family_speed.main(["--family", "deimv2", "--hf-config", arch, "--linear-from", str(main_job), "--label", "vit",
                              "--sizes", "128", "--reps", "1", "--threads", "1"])
     assert [(r["setting"], r["linear"], r["candidates"], r["model"]) for r in out["rows"]] == [

@@ -169,6 +169,9 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path):
     assert m["uniform"]["linear"] == "6/6" and m["latte"]["linear"] == "4/6" and m["ours:greedy@83%"]["linear"] == "5/6"
     assert m["uniform"]["attention_gflops"] < m["latte"]["attention_gflops"] < m["exact"]["attention_gflops"]
     assert all(r["encoder_latency_ratio"] > 0 for r in m.values())
+    # the signal column: the weakest linear layer's signal, from the calibration report's per-layer signal
+    assert m["exact"]["weakest_signal"] is None and set(report["signal"]) == set(report["candidates"])
+    assert m["uniform"]["weakest_signal"] == min(report["signal"].values())
     for key in ("variant", "candidates", "sensitivity", "linearized", "params", "retained", "attention_gflops"):
         assert key in report
     assert os.path.exists(tmp_path / "job" / "latte_kept.png")

@@ -90,7 +90,7 @@ def use_data_root(cfg, root: str) -> None:
 
 def results_file(report: dict, a: argparse.Namespace) -> dict:
     """What the README's tables are made from: per-row metrics, the default row's choices, timing."""
-    keep = ("default_row", "metrics", "rows", "config", "checkpoint", "seconds", "retained", "attention_gflops")
+    keep = ("default_row", "metrics", "rows", "config", "checkpoint", "seconds", "retained", "attention_gflops", "signal")
     out = {k: report[k] for k in keep if k in report}
     out["choices"] = {name: {"linearized": r["linearized"], "images": r["selection"].get("images"),
                              "heldout_distortion": r["selection"].get("heldout_distortion"),
@@ -177,10 +177,11 @@ def assemble_report(res: dict, reps: dict, rows: list, default, a: argparse.Name
     if default in reps:
         report["default_row"] = default
         report.update({k: reps[default][k] for k in ("variant", "candidates", "sensitivity", "linearized", "params",
-                                                       "sigma_mean", "fit", "selection", "tokens")})
+                                                       "sigma_mean", "fit", "selection", "tokens", "signal")
+                       if k in reps[default]})
     metrics = {name: {k: r.get(k) for k in ("bbox_mAP", "bbox_mAP_50", "retained", "linear", "attention_gflops",
                                             "encoder_latency_ratio", "heldout_distortion", "heldout_fidelity",
-                                            "heldout_mse", "calibration_seconds")}
+                                            "heldout_mse", "weakest_signal", "calibration_seconds")}
                for name, r in res.items()}
     if "exact" in res and default in res:
         metrics["linearized"] = dict(metrics[default])
