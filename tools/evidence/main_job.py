@@ -53,6 +53,8 @@ def main(argv=None) -> dict:
     p.add_argument("--num-images", type=int, help="calibration images (default: the config's)")
     p.add_argument("--data-root", help="another generated split (same layout as data/synthetic), e.g. one made "
                                        "with another seed: calibrate on its train split, evaluate on its val split")
+    p.add_argument("--input-size", type=int, help="run at N x N instead: every pipeline's Resize (the model must take "
+                                                  "it: e.g. a RoPE backbone), with a --data-root generated at that size")
     p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
     p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
     a = p.parse_args(argv)
@@ -88,6 +90,14 @@ def use_data_root(cfg, root: str) -> None:
             cfg[ev].ann_file = root + "annotations/instances_val.json"
 
 
+def use_input_size(cfg, side: int) -> None:
+    """Sets every dataloader pipeline's ``Resize`` to ``side`` x ``side``."""
+    for loader in ("train_dataloader", "val_dataloader", "test_dataloader"):
+        for step in (cfg.get(loader) or {}).get("dataset", {}).get("pipeline", []):
+            if step.get("type") == "Resize":
+                step["scale"] = (side, side)
+
+
 def results_file(report: dict, a: argparse.Namespace) -> dict:
     """What the README's tables are made from: per-row metrics, the default row's choices, timing."""
     keep = ("default_row", "metrics", "rows", "config", "checkpoint", "seconds", "retained", "attention_gflops", "signal")
@@ -104,7 +114,8 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
                       for name, r in report.get("row_reports", {}).items()}
     out["command"] = "python tools/evidence/main_job.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
-                                                     ("num_images", a.num_images), ("data_root", a.data_root)) if v) + (
+                                                     ("num_images", a.num_images), ("data_root", a.data_root),
+                                                     ("input_size", a.input_size)) if v) + (
         " --rows " + " ".join(f"'{r}'" if "%" in r or " " in r else r for r in a.rows) if a.rows else "")
     return out
 
@@ -156,6 +167,8 @@ def build(a: argparse.Namespace):
     cfg = Config.fromfile(a.config)
     if a.data_root:
         use_data_root(cfg, a.data_root)
+    if a.input_size:
+        use_input_size(cfg, a.input_size)
     try:
         base = hook_latte_settings(cfg, a.config)
     except ValueError as e:

@@ -81,11 +81,12 @@ def row_key(base: LatteConfig, row: Row) -> str:
 
 
 def latency_modules(model) -> list:
-    """The transformer parts timed for the speed-up column: DETR's encoder, or RT-DETR's
-    hybrid encoder and decoder (where its 7 candidates live)."""
+    """The parts timed for the speed-up column: DETR's encoder, or each part of a transformers
+    detector that holds a LATTE layer (RT-DETR: hybrid encoder and decoder; the ViT detector: its
+    backbone as well)."""
     model = unwrap(model)
     if hasattr(model, "hf"):
-        return [model.hf.model.encoder, model.hf.model.decoder]
+        return [part for part in model.hf.model.children() if find_latte_layers(part)]
     return [model.encoder]
 
 

@@ -1,0 +1,59 @@
+"""The embedded ViT-backbone detector (issue 24): its committed checkpoint fits its config key for
+key and shape, within the 25 MB limit, and its backbone's global attention is what the plugin
+finds: 6 ViT blocks at 1,024 patch tokens (+ CLS) at the main job's 512 px, plus AIFI and 3 decoder layers."""
+import os
+
+import torch
+
+from tests.conftest import ROOT, require
+
+require("mmdet")
+require("transformers")
+
+CONFIG = os.path.join(ROOT, "configs", "mmdet", "embedded", "deimv2_vit6_synthetic_latte.py")
+CHECKPOINT = os.path.join(ROOT, "checkpoints", "deimv2_vit6_synthetic.pth")
+
+
+def _detector():
+    from mmengine.config import Config
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+
+    import latte_plugin.mmdet  # noqa: F401  (registers HFDetector)
+
+    register_all_modules()
+    return MODELS.build(Config.fromfile(CONFIG).model)
+
+
+def test_the_embedded_vit_checkpoint_fits_its_config():
+    assert os.path.getsize(CHECKPOINT) <= 25 * 2**20
+    det = _detector()
+    sd = torch.load(CHECKPOINT, weights_only=True)["state_dict"]
+    want = det.state_dict()
+    missing, unexpected = det.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    assert not missing and not unexpected
+    assert all(sd[k].shape == v.shape for k, v in want.items())
+
+
+def test_its_backbone_attention_is_global_at_1024_tokens():
+    from latte_plugin.hf.discovery import detector_sites
+
+    sites = [s for s in detector_sites(_detector().hf, (512, 512), prefix="hf.") if s.candidate]
+    backbone = [s for s in sites if ".backbone." in s.name]
+    assert len(sites) == 10 and len(backbone) == 6
+    assert {s.kind for s in backbone} == {"global+rope"} and {s.tokens for s in backbone} == {1 + 32 * 32}  # CLS + the patches
+
+
+def test_the_main_jobs_speed_column_times_the_backbone_too():
+    import sys
+
+    from latte_plugin.mmdet import install_latte_cores
+    from latte_plugin.core.settings import LatteConfig
+
+    sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
+    from main_job_rows import latency_modules
+
+    det = _detector()
+    install_latte_cores(det, LatteConfig(candidates=["auto"]))
+    parts = latency_modules(det)
+    assert parts == [det.hf.model.conv_encoder, det.hf.model.encoder, det.hf.model.decoder]
