@@ -180,14 +180,19 @@ def families_table() -> str:
 def signal_table() -> str:
     """results/signal_*.json: each candidate's signal (outputs' change with its attention made uniform)."""
     rows, cmds = [], []
-    for key, label in (("cond_detr", "Conditional DETR (embedded)"), ("rtdetr", "RT-DETR (embedded)")):
+    for key, label in (("cond_detr", "Conditional DETR (embedded)"), ("rtdetr", "RT-DETR (embedded)"),
+                       ("deimv2_vit", "DEIMv2, ViT backbone (embedded)")):
         res = _load(f"signal_{key}.json")
-        cells = [f"`{n.replace('hf.model.', '').replace('.self_attn', '')}` {v:.1e}"
+        short = lambda n: (n.replace("hf.model.", "").replace(".self_attn", "").replace(".attention", "")  # noqa: E731
+                           .replace("conv_encoder.backbone.model.layer.", "vit."))
+        cells = [f"`{short(n)}` {v:.1e}"
                  for n, v in res["signal"].items()]
-        rows.append([label, str(res["num_images"]), ", ".join(cells)])
+        uniform = _load(f"main_job_{key}.json")["metrics"]["uniform"]["retained"]
+        rows.append([label, str(res["num_images"]), ", ".join(cells), f"{100 * uniform:.1f}%"])
         cmds.append(f"`{res['command']}`")
     return (_table(["model", "train images", "signal of each candidate (relative raw-output change, that layer "
-                    "uniform)"], rows) + "\n\n" + "; ".join(cmds) + ".")
+                    "uniform)", "uniform control: mAP kept (every candidate uniform; main job)"], rows)
+            + "\n\n" + "; ".join(cmds) + ".")
 
 
 def family_speed_table(family: str) -> str:
@@ -317,6 +322,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "family_speed:detr_r50": lambda: family_speed_table("detr_r50"),
     "main:deimv2_vit": lambda: main_job_table("deimv2_vit"),
     "main:deimv2_vit_seed606": lambda: main_job_table("deimv2_vit_seed606"),
+    "main:deimv2_vit_736": lambda: main_job_table("deimv2_vit_736"),
     "choices:deimv2_vit": lambda: choices_table("deimv2_vit"),
     "example_hf_vit": example_output,
 }
