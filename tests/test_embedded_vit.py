@@ -57,3 +57,18 @@ def test_the_main_jobs_speed_column_times_the_backbone_too():
     install_latte_cores(det, LatteConfig(candidates=["auto"]))
     parts = latency_modules(det)
     assert parts == [det.hf.model.conv_encoder, det.hf.model.encoder, det.hf.model.decoder]
+
+
+def test_the_main_job_runs_the_same_config_at_another_size():
+    import sys
+
+    from mmengine.config import Config
+
+    sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
+    from main_job import use_input_size
+
+    cfg = Config.fromfile(CONFIG)
+    use_input_size(cfg, 736)
+    resizes = [step for loader in ("train_dataloader", "val_dataloader", "test_dataloader")
+               for step in cfg[loader].dataset.pipeline if step["type"] == "Resize"]
+    assert len(resizes) == 3 and all(tuple(step["scale"]) == (736, 736) for step in resizes)
