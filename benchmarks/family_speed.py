@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import os
 import statistics
 import subprocess
@@ -187,7 +188,7 @@ def main(argv=None) -> dict:
             r = rows[-1]
             print(f"{a.family} {side}px {setting:5s} {r['seconds']:.3f} s  attention {r['attention_share']:.0%}  "
                   f"RSS {r['peak_rss_gib']:.2f} GiB", flush=True)
-    out = {"rows": rows, "command": "python benchmarks/family_speed.py " + " ".join(argv or sys.argv[1:]),
+    out = {"rows": rows, "command": "python benchmarks/family_speed.py " + shlex.join(argv or sys.argv[1:]),
            "machine": f"{os.cpu_count()} CPU cores"}
     if a.json:
         sys.path.insert(0, ROOT)

@@ -195,6 +195,22 @@ def signal_table() -> str:
             + "\n\n" + "; ".join(cmds) + ".")
 
 
+#: Speed goals per benchmark (issue 24): (input side, setting, least end-to-end speed-up).
+SPEED_GOALS = {"deimv2_vit6": ((512, "67%", 1.3), (1024, "67%", 1.5), (1024, "83%", 2.0))}
+
+
+def speed_goals_line(family: str, rows: list[dict]) -> str:
+    """Each goal against the measured speed-up, met or missed (empty when the benchmark has none)."""
+    seconds = {(r["side"], r["setting"]): r["seconds"] for r in rows}
+    parts = []
+    for side, setting, goal in SPEED_GOALS.get(family, ()):
+        got = seconds[(side, "exact")] / seconds[(side, setting)]
+        tokens = next(r["tokens"] for r in rows if r["side"] == side)
+        parts.append(f"{setting} linear at {tokens:,} tokens: {got:.2f}x for a goal of {goal}x "
+                     f"({'met' if got >= goal else 'missed'})")
+    return ("\n\nGoals: " + "; ".join(parts) + ".") if parts else ""
+
+
 def family_speed_table(family: str) -> str:
     """benchmarks/family_speed.py: end-to-end latency against input size, exact vs the hybrids."""
     res = _load(f"family_speed_{family}.json")
@@ -208,7 +224,8 @@ def family_speed_table(family: str) -> str:
                     + [" / ".join(f"{r['peak_rss_gib']:.1f}" for r in [ex, *hyb.values()])])
     head = ["input", "tokens (longest candidate)", "exact latency", "attention share (exact)", "ceiling",
             *[f"{k} linear speed-up" for k in ("67%", "83%")], "peak RSS GiB (exact / 67% / 83%)"]
-    return _table(head, rows) + f"\n\n`{res['command']}` ({res['machine']}, median of the timed passes)."
+    return (_table(head, rows) + f"\n\n`{res['command']}` ({res['machine']}, median of the timed passes)."
+            + speed_goals_line(family, res["rows"]))
 
 
 def example_output() -> str:
