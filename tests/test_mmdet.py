@@ -155,9 +155,14 @@ def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
     assert expect in text, text[-2000:]
 
 
-def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path):
+def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import main_job
+
+    from latte_plugin.core import flow
+
+    measured = []  # the signal is the exact model's: the job measures it once, not per row
+    monkeypatch.setattr(flow, "attention_signal", lambda *a, _f=flow.attention_signal: measured.append(1) or _f(*a))
 
     cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=4, steps=10)
     cfg_path = tmp_path / "tiny.py"
@@ -172,6 +177,7 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path):
     # the signal column: the weakest linear layer's signal, from the calibration report's per-layer signal
     assert m["exact"]["weakest_signal"] is None and set(report["signal"]) == set(report["candidates"])
     assert m["uniform"]["weakest_signal"] == min(report["signal"].values())
+    assert len(measured) == 1 and m["ours:greedy@83%"]["weakest_signal"] is not None
     for key in ("variant", "candidates", "sensitivity", "linearized", "params", "retained", "attention_gflops"):
         assert key in report
     assert os.path.exists(tmp_path / "job" / "latte_kept.png")

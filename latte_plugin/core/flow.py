@@ -81,7 +81,7 @@ def calibrate_model(
     held = _heldout_figures(run, chosen, corrections, halves, fidelity)
     sens = scores(summed_stats(h.stats for h in halves), cfg.lam)
     _apply_selection(run, chosen.layers, sens)
-    signal = attention_signal(run.layers, [b for _, b in run.split.used], forward, run.reduce)
+    signal = attention_signal(run.layers, [b for _, b in run.split.used], forward, run.reduce) if cfg.signal else {}
     model.train(was_training)
     report = build_report(run.layers, cfg, run.split, run.reduce, k, chosen.layers, sens, fits, trace,
                           sum(h.tokens for h in halves), held.get("raw_mse"), signal)

@@ -74,6 +74,9 @@ class LatteConfig:
                                "L-BFGS step count, the other half only report held-out errors and are never "
                                "fitted on; 0 (the default) fits every image and reports cross-fitted figures")
     per_head: bool = _opt(False, "fit one (alpha, rho) per head instead of one per layer")
+    signal: bool = _opt(True, "measure each candidate's signal for the report (how much the exact model's "
+                              "outputs move with that layer's attention replaced by its mean; one forward per "
+                              "candidate per calibration image): --no-signal skips it")
     sequential: bool = _opt(False, "fit layer l on inputs from the model with the layers before it already linear")
     compensate: str = _opt("auto", "error compensation after the selection: refit each linear layer's output "
                                    "correction on inputs from the hybrid against the exact model's outputs; auto "

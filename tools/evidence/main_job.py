@@ -190,8 +190,10 @@ def assemble_report(res: dict, reps: dict, rows: list, default, a: argparse.Name
     if default in reps:
         report["default_row"] = default
         report.update({k: reps[default][k] for k in ("variant", "candidates", "sensitivity", "linearized", "params",
-                                                       "sigma_mean", "fit", "selection", "tokens", "signal")
+                                                       "sigma_mean", "fit", "selection", "tokens")
                        if k in reps[default]})
+        # measured once per job (by the first calibrated row): the exact model's, whichever row
+        report["signal"] = next((rep["signal"] for rep in reps.values() if rep.get("signal")), {})
     metrics = {name: {k: r.get(k) for k in ("bbox_mAP", "bbox_mAP_50", "retained", "linear", "attention_gflops",
                                             "encoder_latency_ratio", "heldout_distortion", "heldout_fidelity",
                                             "heldout_mse", "weakest_signal", "calibration_seconds")}

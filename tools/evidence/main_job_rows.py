@@ -165,6 +165,8 @@ def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, t
     t0 = time.time()
     model = unwrap(runner.model)
     cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
+    # the signal is the exact model's, the same for every row: measured by the first calibration only
+    cfg.signal = cfg.signal and not any(rep.get("signal") for rep in reports.values())
     layers = find_latte_layers(model)
     t_cal = 0.0
     if row.kind == "latte":
@@ -206,7 +208,7 @@ def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, t
 def add_gflops_and_kept(results: dict, reports: dict, rows: list, model) -> None:
     """Each row's attention GFLOPs (from the token counts calibration measured; self-attention:
     M = N), the share of the exact mAP it keeps and its weakest linear layer's signal (the exact
-    model's, measured on the same calibration images by every row's calibration), in place."""
+    model's, measured on the calibration images by the first row's calibration), in place."""
     shapes = next(iter(reports.values()))["tokens"] if reports else {}
     signal = next((rep["signal"] for rep in reports.values() if rep.get("signal")), {})
     pairs = {n: (t, t) for n, t in shapes.items()}
