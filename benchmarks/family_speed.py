@@ -7,7 +7,8 @@
 
 Each (size, setting) point runs in a fresh process (peak RSS is that process's ``ru_maxrss``),
 with ``--threads`` torch threads, one warm-up pass, then ``--reps`` timed passes (median kept).
-Settings: ``exact``, and the 67% / 83% hybrids. Which candidates go linear is not calibrated
+Settings: ``exact``, and the 67% / 83% hybrids (``--kernel compiled``: their linear layers through
+``torch.compile``, ``LATTE_KERNEL=compiled``). Which candidates go linear is not calibrated
 here: the ones with the longest sequences are taken first (the ViT blocks before AIFI and the
 decoder), so the figure is the speed-up a calibration choosing those layers would give, an upper
 bound for that count. With ``--linear-from results/main_job_X.json`` the linear sets are the ones
@@ -73,7 +74,8 @@ def run_point(family: str, side: int, setting: str, reps: int, threads: int, hf_
             shares.append(spent[0] / times[-1])
     return dict(family=family, side=side, setting=setting, linear=len(linear), candidates=len(tokens),
                 tokens=max(tokens.values()), seconds=statistics.median(times), runs=times,
-                attention_share=statistics.median(shares), threads=threads)
+                attention_share=statistics.median(shares), threads=threads,
+                kernel=os.environ.get("LATTE_KERNEL", "eager"))
 
 
 def build_hf(family: str, side: int, hf_config: Optional[str]) -> tuple:
@@ -122,12 +124,14 @@ def _attention_clock(model, names: list[str]) -> list[float]:
     return clock
 
 
-def measure(family: str, side: int, setting: str, reps: int, threads: int, extra: Sequence[str] = ()) -> dict:
-    """One point in a fresh child process (``extra``: more of this script's options); adds its peak RSS (GiB)."""
+def measure(family: str, side: int, setting: str, reps: int, threads: int, extra: Sequence[str] = (),
+            kernel: str = "eager") -> dict:
+    """One point in a fresh child process (``extra``: more of this script's options; ``kernel``: its
+    ``LATTE_KERNEL``, the linear layers' CPU path); adds its peak RSS (GiB)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--point", family, str(side), setting, "--reps", str(reps),
            "--threads", str(threads), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+                            env=dict(os.environ, OMP_NUM_THREADS=str(threads), LATTE_KERNEL=kernel))
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -172,6 +176,9 @@ def main(argv=None) -> dict:
     p.add_argument("--linear-from", default=None,
                    help="a main job's results JSON: use the linear sets its calibration chose (rows ours:auto, ours:auto@83%%)")
     p.add_argument("--label", default=None, help="the model's name in the plot and the rows (default: the family)")
+    p.add_argument("--kernel", choices=("eager", "compiled"), default="eager",
+                   help="the linear layers' CPU path: the eager fused function, or it through torch.compile "
+                        "(LATTE_KERNEL=compiled; compiled in the untimed warm-up pass); the rest of both models is eager")
     p.add_argument("--point", nargs=3, metavar=("FAMILY", "SIDE", "SETTING"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.point:  # a child: one point, printed as JSON
@@ -183,8 +190,8 @@ def main(argv=None) -> dict:
     rows = []
     for side in a.sizes:
         for setting in SETTINGS:
-            rows.append(dict(measure(a.family, side, setting, a.reps, a.threads, extra), model=a.label or a.family,
-                             calibrated_sets=bool(a.linear_from)))
+            rows.append(dict(measure(a.family, side, setting, a.reps, a.threads, extra, a.kernel),
+                             model=a.label or a.family, calibrated_sets=bool(a.linear_from)))
             r = rows[-1]
             print(f"{a.family} {side}px {setting:5s} {r['seconds']:.3f} s  attention {r['attention_share']:.0%}  "
                   f"RSS {r['peak_rss_gib']:.2f} GiB", flush=True)

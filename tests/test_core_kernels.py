@@ -178,7 +178,7 @@ def test_uniform_attention_is_masked_mean():
 
 
 @pytest.mark.timeout(300)
-def test_compiled_fused_path_matches_eager_and_reference():
+def test_compiled_fused_path_matches_eager_and_reference(monkeypatch):
     """torch.compile of the fused path (benchmarks' --compile) gives the eager results, masks included."""
     q, k, v = qkv(2, 4, 37, 37, 16)
     kpm = torch.zeros(2, 37, dtype=torch.bool)
@@ -189,3 +189,14 @@ def test_compiled_fused_path_matches_eager_and_reference():
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     ref = K.linear_attention(*K.variant_features(q, k, "latte", m, rho ** 0.5, rho ** 0.5, 1.0, 1.0), v, kpm)
     torch.testing.assert_close(compiled, ref, atol=1e-4, rtol=1e-4)
+    # a calibrated layer takes it under LATTE_KERNEL=compiled (the benchmarks' CPU setting)
+    from latte_plugin.core.layer import LatteParams
+
+    layer = LatteParams(64, 4, mode="linear")
+    layer.m.fill_(0.7)
+    layer.log_rho.fill_(math.log(3.0))
+    real, calls = K._COMPILED, []  # built above
+    monkeypatch.setattr(K, "_COMPILED", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("LATTE_KERNEL", "compiled")
+    torch.testing.assert_close(layer.attend(q, k, v, kpm), eager, atol=1e-5, rtol=1e-5)
+    assert calls == [1]

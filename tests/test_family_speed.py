@@ -23,6 +23,7 @@ def test_family_speed_rows_have_every_setting_and_their_fields(tmp_path):
     for r in out["rows"]:
         assert {"side", "tokens", "seconds", "runs", "attention_share", "peak_rss_gib", "linear", "candidates"} <= set(r)
         assert 0.0 <= r["attention_share"] < 1.0 and r["seconds"] > 0 and len(r["runs"]) == 1
+        assert r["kernel"] == "eager"  # the default: the linear layers' eager fused path
     assert [r["linear"] for r in out["rows"]] == [0, 3, 3]  # 67% and 83% of RT-DETR-R18's 4 candidates
     assert os.path.getsize(tmp_path / "speed.png") > 0 and os.path.isfile(tmp_path / "speed.json")
 
@@ -42,9 +43,9 @@ def test_family_speed_takes_another_architecture_and_the_calibrated_linear_sets(
     main_job = tmp_path / "main_job.json"
     main_job.write_text(json.dumps({"rows": {row: {"linearized": lin} for row, lin in chosen.items()}}))
     out = family_speed.main(["--family", "deimv2", "--hf-config", arch, "--linear-from", str(main_job), "--label", "vit",
-                             "--sizes", "128", "--reps", "1", "--threads", "1"])
-    assert [(r["setting"], r["linear"], r["candidates"], r["model"]) for r in out["rows"]] == [
-        ("exact", 0, 10, "vit"), ("67%", 2, 10, "vit"), ("83%", 3, 10, "vit")]
+                             "--sizes", "128", "--reps", "1", "--threads", "1", "--kernel", "compiled"])
+    assert [(r["setting"], r["linear"], r["candidates"], r["model"], r["kernel"]) for r in out["rows"]] == [
+        ("exact", 0, 10, "vit", "compiled"), ("67%", 2, 10, "vit", "compiled"), ("83%", 3, 10, "vit", "compiled")]
     assert family_speed.calibrated_linear(str(main_job), "67%") == names[-2:]
 
 

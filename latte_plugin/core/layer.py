@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -145,7 +146,8 @@ class LatteParams(nn.Module):
         """LATTE linear attention with sigma applied: ``(B, H, N, d_v)``.
 
         ``latte`` and ``jpn_only`` run the fused fast path (the Triton kernel on CUDA tensors,
-        :mod:`.triton_latte`; the eager fused function elsewhere); the others (and calibration, via
+        :mod:`.triton_latte`; elsewhere the eager fused function, or with ``LATTE_KERNEL=compiled``
+        the same function through ``torch.compile``); the others (and calibration, via
         :meth:`features`) use the reference composition it is tested against. A general
         ``attn_mask`` (bool, ``True`` = masked, e.g. causal) takes the quadratic masked path.
         """
@@ -157,6 +159,9 @@ class LatteParams(nn.Module):
                 from . import triton_latte
 
                 o = triton_latte.triton_latte_attention(q, k, v, m, rho, key_padding_mask)
+            elif os.environ.get("LATTE_KERNEL") == "compiled" and not torch.jit.is_tracing():
+                # the same function through torch.compile: faster on CPU from ~4k tokens (docs/deployment.md)
+                o = kernels.compiled_fused_latte_attention()(q, k, v, m, rho, key_padding_mask)
             else:
                 o = kernels.fused_latte_attention(q, k, v, m, rho, key_padding_mask)
         else:
