@@ -60,3 +60,31 @@ def test_the_calibration_report_holds_the_signal_of_every_candidate():
     assert report["signal"]["layers.1.attn"] < 1e-12 < 1e-3 < report["signal"]["layers.0.attn"]
     # measured on the exact model: the hybrid the calibration leaves is untouched
     assert {n for n, layer in find_latte_layers(model).items() if layer.mode == "linear"} == set(report["linearized"])
+
+
+def test_attention_entropy_is_one_for_uniform_and_near_zero_for_one_key_per_query():
+    from latte_plugin.core.signal import attention_entropy
+
+    k = torch.randn(2, 3, 9, 8)
+    assert abs(attention_entropy(torch.zeros(2, 3, 5, 8), k) - 1.0) < 1e-12  # equal scores: uniform
+    sharp = torch.eye(8)[None, None] * 100.0  # each query matches one key, by far
+    assert attention_entropy(sharp, sharp) < 1e-6
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1, 4:] = True  # padded keys neither weigh nor count: still uniform over the 4 valid ones
+    assert abs(attention_entropy(torch.zeros(2, 3, 5, 8), k, kpm) - 1.0) < 1e-12
+    # the same figure as an explicit row-by-row computation
+    q = torch.randn(1, 3, 4, 8)
+    p = torch.softmax(q @ k[:1].transpose(-1, -2) / 8 ** 0.5, -1).double()
+    want = float((-(p * p.log()).sum(-1) / torch.log(torch.tensor(9.0, dtype=torch.float64))).mean())
+    assert abs(attention_entropy(q, k[:1]) - want) < 1e-6
+
+
+def test_attention_sharpness_reads_each_exact_layer_and_restores_modes():
+    from latte_plugin.core.signal import attention_sharpness
+
+    model = _model()
+    layers = find_latte_layers(model)
+    layers["layers.2.attn"].mode = "linear"
+    got = attention_sharpness(layers, toy_batches(n=2), lambda x: model(x))
+    assert set(got) == set(layers) and all(0.0 < v <= 1.0 for v in got.values())
+    assert layers["layers.2.attn"].mode == "linear" and all(layer.recorder is None for layer in layers.values())

@@ -9,14 +9,16 @@ figure is the relative raw-output distortion of :class:`~latte_plugin.core.fidel
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from .fidelity import RawDistortion
 from .layer import LatteParams, set_modes
 
-__all__ = ["attention_signal", "naive_attention_signal"]
+__all__ = ["attention_signal", "naive_attention_signal", "attention_entropy", "attention_sharpness"]
 
 
 @torch.no_grad()
@@ -55,3 +57,40 @@ def naive_attention_signal(layer_output: Callable[[str, bool], torch.Tensor], na
     uniform (``True``) or with every layer exact (``False``); the same ratio, one layer at a time."""
     exact = layer_output("", False).double()
     return {n: float(((layer_output(n, True).double() - exact) ** 2).sum() / (exact ** 2).sum()) for n in names}
+
+
+def attention_entropy(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None) -> float:
+    """Mean entropy of the softmax attention rows over ``log(number of valid keys)``: 1 is uniform
+    attention (every key weighted alike, what the uniform control substitutes), 0 is one key per query.
+
+    Args:
+        q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; key_padding_mask: ``(B, M)``, ``True`` = padded.
+    """
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    valid = torch.full(k.shape[:1], k.shape[-2], dtype=torch.float64)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+        valid = (~key_padding_mask).sum(-1).double()
+    logp = torch.log_softmax(scores, dim=-1)
+    rows = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)  # (B, H, N)
+    return float((rows / valid.clamp_min(2).log()[:, None, None]).mean())
+
+
+@torch.no_grad()
+def attention_sharpness(layers: dict[str, LatteParams], batches: Sequence[Any],
+                        forward: Callable[[Any], Any]) -> dict[str, float]:
+    """``{layer: mean normalised attention entropy}`` of the exact model (:func:`attention_entropy`,
+    averaged over the batches); the layers' modes and recorders are restored. Near 1 means the
+    layer attends almost uniformly, so the uniform control barely changes it."""
+    saved = {name: (layer.mode, layer.recorder) for name, layer in layers.items()}
+    sums = {name: [] for name in layers}
+    try:
+        set_modes(layers, [])
+        for name, layer in layers.items():
+            layer.recorder = lambda q, k, v, kpm, out, _n=name, **kw: sums[_n].append(attention_entropy(q, k, kpm))
+        for batch in batches:
+            forward(batch)
+        return {name: sum(v) / len(v) for name, v in sums.items() if v}
+    finally:
+        for name, layer in layers.items():
+            layer.mode, layer.recorder = saved[name]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The signal column: for every LATTE candidate of an mmdet config, how much the detector's raw
 outputs move when that layer's attention output is replaced by the mean of its values (the
-others exact), on train images (``latte_plugin.core.signal``).
+others exact), on train images (``latte_plugin.core.signal``), and how far each layer's softmax is
+from uniform (mean row entropy over log N: 1 = uniform).
 
     python tools/evidence/attention_signal.py configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py \
         checkpoints/rtdetr_r18_synthetic.pth --results results/signal_rtdetr.json
@@ -19,10 +20,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def measure(config: str, checkpoint: str, num_images: int, work_dir: str) -> dict:
-    """``{layer: signal}`` of every candidate, on the first ``num_images`` train images."""
+def measure(config: str, checkpoint: str, num_images: int, work_dir: str) -> tuple[dict, dict]:
+    """``({layer: signal}, {layer: attention entropy / log N})`` of every candidate, on the first
+    ``num_images`` train images."""
     from latte_plugin.core.layer import find_latte_layers
-    from latte_plugin.core.signal import attention_signal
+    from latte_plugin.core.signal import attention_sharpness, attention_signal
     from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader
     from latte_plugin.mmdet.workflow import load_config, runner_with_checkpoint
 
@@ -31,7 +33,9 @@ def measure(config: str, checkpoint: str, num_images: int, work_dir: str) -> dic
     runner = runner_with_checkpoint(cfg, checkpoint)
     model = ADAPTER.unwrap(runner.model).eval()
     batches = [s for b in itertools.islice(build_calibration_loader(cfg), num_images) for s in ADAPTER.split(b)]
-    return attention_signal(find_latte_layers(model), batches[:num_images], ADAPTER.forward(model))
+    layers, forward = find_latte_layers(model), ADAPTER.forward(model)
+    return (attention_signal(layers, batches[:num_images], forward),
+            attention_sharpness(layers, batches[:num_images], forward))
 
 
 def main(argv=None) -> dict:
@@ -44,14 +48,15 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     from latte_plugin.core.io import atomic_write
 
-    signal = measure(a.config, a.checkpoint, a.num_images, a.work_dir)
+    signal, entropy = measure(a.config, a.checkpoint, a.num_images, a.work_dir)
     rel = lambda path: os.path.relpath(os.path.abspath(path), ROOT)  # noqa: E731
     out = {"command": f"python tools/evidence/attention_signal.py {rel(a.config)} {rel(a.checkpoint)} --num-images "
                       f"{a.num_images} --results {rel(a.results)}",
-           "config": rel(a.config), "checkpoint": rel(a.checkpoint), "num_images": a.num_images, "signal": signal}
+           "config": rel(a.config), "checkpoint": rel(a.checkpoint), "num_images": a.num_images, "signal": signal,
+           "entropy": entropy}
     atomic_write(a.results, lambda f: f.write(json.dumps(out, indent=1).encode("utf-8")))
     for name, value in signal.items():
-        print(f"{value:10.3e}  {name}")
+        print(f"{value:10.3e}  entropy/log N {entropy.get(name, float('nan')):.3f}  {name}")
     return out
 
 

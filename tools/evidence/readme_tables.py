@@ -185,13 +185,15 @@ def signal_table() -> str:
         res = _load(f"signal_{key}.json")
         short = lambda n: (n.replace("hf.model.", "").replace(".self_attn", "").replace(".attention", "")  # noqa: E731
                            .replace("conv_encoder.backbone.model.layer.", "vit."))
-        cells = [f"`{short(n)}` {v:.1e}"
+        entropy = res.get("entropy", {})
+        cells = [f"`{short(n)}` {v:.1e}" + (f" (H {entropy[n]:.2f})" if n in entropy else "")
                  for n, v in res["signal"].items()]
         uniform = _load(f"main_job_{key}.json")["metrics"]["uniform"]["retained"]
         rows.append([label, str(res["num_images"]), ", ".join(cells), f"{100 * uniform:.1f}%"])
         cmds.append(f"`{res['command']}`")
     return (_table(["model", "train images", "signal of each candidate (relative raw-output change, that layer "
-                    "uniform)", "uniform control: mAP kept (every candidate uniform; main job)"], rows)
+                    "uniform; H = its attention's entropy over log N, 1 = uniform)",
+                    "uniform control: mAP kept (every candidate uniform; main job)"], rows)
             + "\n\n" + "; ".join(cmds) + ".")
 
 
