@@ -245,7 +245,7 @@ def timings_table() -> str:
 def onnx_parity_table() -> str:
     """tools/export_onnx.py --eval on each embedded model: torch vs onnxruntime CocoMetric."""
     rows = []
-    for model in ("cond_detr", "rtdetr"):
+    for model in ("cond_detr", "rtdetr", "deimv2_vit"):
         r = _load(f"onnx_{model}.json")
         m = r["metrics"]
         rows.append([model, f"{len(r['linear'])}", f"{m['torch']['bbox_mAP']:.3f}", f"{m['onnxruntime']['bbox_mAP']:.3f}",
