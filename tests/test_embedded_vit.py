@@ -14,7 +14,7 @@ CONFIG = os.path.join(ROOT, "configs", "mmdet", "embedded", "deimv2_vit6_synthet
 CHECKPOINT = os.path.join(ROOT, "checkpoints", "deimv2_vit6_synthetic.pth")
 
 
-def _detector():
+def _detector(config: str = CONFIG):
     from mmengine.config import Config
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
@@ -22,7 +22,25 @@ def _detector():
     import latte_plugin.mmdet  # noqa: F401  (registers HFDetector)
 
     register_all_modules()
-    return MODELS.build(Config.fromfile(CONFIG).model)
+    return MODELS.build(Config.fromfile(config).model)
+
+
+def test_the_retrain_recipe_candidate_shrinks_the_adapter_and_speeds_up_the_vit():
+    """deimv2_vit6_synthetic_vitpath.py: the same architecture but a 1-channel CNN adapter, and the
+    ViT trained at 5x the base rate (the backbone's parameters get the multiplier, nothing else)."""
+    from mmengine.config import Config
+    from mmengine.optim import build_optim_wrapper
+
+    path = os.path.join(ROOT, "configs", "mmdet", "embedded", "deimv2_vit6_synthetic_vitpath.py")
+    det = _detector(path)
+    assert det.hf.model.conv_encoder.spatial_tuning_adapter.stem_conv.conv.out_channels == 1
+    wrapper = build_optim_wrapper(det, Config.fromfile(path).optim_wrapper)
+
+    def rate(param):
+        return next(g["lr"] for g in wrapper.optimizer.param_groups if any(p is param for p in g["params"]))
+
+    vit, adapter = det.hf.model.conv_encoder.backbone.model, det.hf.model.conv_encoder.spatial_tuning_adapter
+    assert rate(vit.layer[0].attention.q_proj.weight) == 1e-3 and rate(adapter.stem_conv.conv.weight) == 2e-4
 
 
 def test_the_embedded_vit_checkpoint_fits_its_config():

@@ -142,6 +142,15 @@ def test_every_architecture_json_names_a_family():
     assert names == {f.architecture for f in FAMILIES.values()}
 
 
+def test_hf_overrides_apply_on_top_of_an_architecture_file_too():
+    from latte_plugin.hf.detectors import build_detector
+
+    arch = os.path.join(ROOT, "configs", "hf", "deimv2_vit6_synthetic.json")
+    model = build_detector("deimv2", arch, hf_overrides={"spatial_tuning_adapter_inplanes": 2, "num_labels": 3})
+    assert model.config.spatial_tuning_adapter_inplanes == 2 and model.config.num_labels == 3
+    assert model.model.conv_encoder.spatial_tuning_adapter.stem_conv.conv.out_channels == 2
+
+
 #: (candidates with RoPE, other candidates, windowed, cross) each family's smallest public model has
 EXPECTED_SITES = {
     "rt_detr": (0, 4, 0, 0), "rt_detr_v2": (0, 4, 0, 0), "d_fine": (0, 4, 0, 0),

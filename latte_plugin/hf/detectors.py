@@ -134,7 +134,7 @@ def build_detector(family: Optional[str] = None, hf_config: Union[None, dict, st
         hf_config: config keywords (see :func:`load_config_kwargs`); random initialisation.
         pretrained: a local HF checkpoint directory (``config.json`` + ``model.safetensors``);
             overrides ``hf_config``.
-        hf_overrides: config keys applied on top of ``pretrained`` (e.g. ``num_labels``).
+        hf_overrides: config keys applied on top of ``pretrained`` or ``hf_config`` (e.g. ``num_labels``).
 
     Raises:
         ValueError: an unknown family, or ``pretrained`` holding another family than ``family``.
@@ -156,7 +156,7 @@ def build_detector(family: Optional[str] = None, hf_config: Union[None, dict, st
         return cls.from_pretrained(pretrained, local_files_only=True, ignore_mismatched_sizes=bool(hf_overrides),
                                    **(hf_overrides or {}))
     fam = family_of(family or "rt_detr")
-    config = getattr(transformers, fam.config_class)(**load_config_kwargs(hf_config))
+    config = getattr(transformers, fam.config_class)(**{**load_config_kwargs(hf_config), **(hf_overrides or {})})
     return getattr(transformers, fam.model_class)(config)
 
 

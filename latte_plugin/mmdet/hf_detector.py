@@ -45,7 +45,7 @@ class HFDetector(BaseDetector):
         hf_config: config keywords (dict, JSON path, or a name under ``configs/hf/coco``);
             random initialisation.
         pretrained: a local HF checkpoint directory; loaded offline, overrides ``hf_config``.
-        hf_overrides: config keys applied on top of ``pretrained`` (e.g. ``num_labels``).
+        hf_overrides: config keys applied on top of ``pretrained`` or ``hf_config`` (e.g. ``num_labels``).
         test_cfg: ``dict(max_per_img=...)``; default: the family's image processor's (100 for
             the Deformable-DETR processor, every query otherwise).
         data_preprocessor, init_cfg: as for any mmdet detector.
