@@ -25,7 +25,7 @@ def _detector(config: str = CONFIG):
     return MODELS.build(Config.fromfile(config).model)
 
 
-def test_the_retrain_recipe_candidate_shrinks_the_adapter_and_speeds_up_the_vit():
+def test_the_pilot_config_shrinks_the_adapter_and_speeds_up_the_vit():
     """deimv2_vit6_synthetic_vitpath.py: the same architecture but a 1-channel CNN adapter, and the
     ViT trained at 5x the base rate (the backbone's parameters get the multiplier, nothing else)."""
     from mmengine.config import Config
