@@ -83,14 +83,14 @@ def attention_sharpness(layers: dict[str, LatteParams], batches: Sequence[Any],
     averaged over the batches); the layers' modes and recorders are restored. Near 1 means the
     layer attends almost uniformly, so the uniform control barely changes it."""
     saved = {name: (layer.mode, layer.recorder) for name, layer in layers.items()}
-    sums = {name: [] for name in layers}
+    entropies: dict[str, list[float]] = {name: [] for name in layers}  # one per forward of each layer
     try:
         set_modes(layers, [])
         for name, layer in layers.items():
-            layer.recorder = lambda q, k, v, kpm, out, _n=name, **kw: sums[_n].append(attention_entropy(q, k, kpm))
+            layer.recorder = lambda q, k, v, kpm, out, _n=name, **kw: entropies[_n].append(attention_entropy(q, k, kpm))
         for batch in batches:
             forward(batch)
-        return {name: sum(v) / len(v) for name, v in sums.items() if v}
+        return {name: sum(v) / len(v) for name, v in entropies.items() if v}
     finally:
         for name, layer in layers.items():
             layer.mode, layer.recorder = saved[name]
