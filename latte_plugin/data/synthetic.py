@@ -5,6 +5,12 @@ red or blue *key* marker away from them. An object's class is its shape *and* th
 colour (4 classes), so labels depend on long-range context. The same seed gives the same
 bytes (PNG via OpenCV, JSON with sorted keys). No download.
 
+With ``two_keys=p`` (``--two-keys P``), a share ``p`` of the images holds *two* larger keys
+instead, one red and one blue, and each object takes the colour of the key nearer to it (at least
+1.5x nearer). Both colours are then always present, so no image-wide average tells the colour:
+the detector has to look at the right key, which is what global attention does and the uniform
+control (every attention replaced by the mean of its values) cannot.
+
 Usage: ``python -m latte_plugin.data.synthetic OUT_DIR [--train 64] [--val 32] [--size 256]``
 writes ``OUT_DIR/{train,val}/*.png`` and ``OUT_DIR/annotations/instances_{train,val}.json``;
 with ``--coco-layout``, COCO 2017's layout and 80 categories instead (for the COCO configs).
@@ -60,9 +66,67 @@ COCO_CATEGORIES = tuple(zip(
 COCO_LAYOUT_IDS = (1, 18, 44, 90)  # person, dog, bottle, toothbrush
 
 
+#: With ``two_keys``: every key is ``size // 8`` wide and at least ``size // 8`` from every object;
+#: the two keys' centres are at least ``size / 2`` apart, and an object's nearer key is at least
+#: ``_NEARER`` times nearer (centre to centre) than the other.
+_NEARER = 1.5
+
+
+def _centre_distance(a, b) -> float:
+    return float(np.hypot(a[0] + a[2] / 2 - b[0] - b[2] / 2, a[1] + a[2] / 2 - b[1] - b[2] / 2))
+
+
+def _two_key_image(img: np.ndarray, size: int, width: int, rng: np.random.Generator) -> list:
+    """Draws two keys (red and blue, in random places) and 1-3 objects, each labelled with the colour
+    of its nearer key; returns ``[(x0, y0, s, class_index)]``."""
+    key_size = size // 8
+    for _try in range(100):
+        keys = [(int(rng.integers(0, width - key_size)), int(rng.integers(0, size - key_size)), key_size)
+                for _ in range(2)]
+        if _centre_distance(*keys) >= size / 2:
+            break
+    colours = list(CONTEXTS) if rng.random() < 0.5 else list(reversed(CONTEXTS))
+    placed: list[tuple[int, int, int]] = []
+    objects = []
+    for _ in range(int(rng.integers(1, 4))):
+        for _try in range(60):
+            s = int(rng.integers(size // 6, size // 3))
+            box = (int(rng.integers(0, width - s)), int(rng.integers(0, size - s)), s)
+            near, far = sorted(_centre_distance(box, k) for k in keys)
+            if (not _overlaps(box, placed) and not _overlaps(box, keys, margin=size // 8)
+                    and near * _NEARER <= far):
+                break
+        else:
+            continue
+        colour = colours[int(np.argmin([_centre_distance(box, k) for k in keys]))]
+        shape = SHAPES[int(rng.integers(0, len(SHAPES)))]
+        grey = int(rng.integers(150, 240))
+        _draw(img, shape, *box, (grey + int(rng.integers(-10, 10)), grey, grey + int(rng.integers(-10, 10))))
+        placed.append(box)
+        objects.append((*box, CLASSES.index(f"{shape}-{colour}")))
+    for (kx, ky, ks), colour in zip(keys, colours):
+        _draw(img, "square", kx, ky, ks, _KEY_BGR[colour])
+    return objects
+
+
+def _write_image(img: np.ndarray, split: str, i: int, img_dir: str, width: int, size: int, objects: list,
+                 images: list, annotations: list, coco_layout: bool) -> None:
+    """Writes image ``i`` and appends its COCO records (annotation ids continue from the last)."""
+    import cv2
+
+    name = f"{split}_{i:05d}.png"
+    cv2.imwrite(os.path.join(img_dir, name), img)
+    images.append({"id": i + 1, "file_name": name, "width": width, "height": size})
+    for x0, y0, s, cls in objects:
+        annotations.append({"id": len(annotations) + 1, "image_id": i + 1,
+                            "category_id": COCO_LAYOUT_IDS[cls] if coco_layout else cls + 1,
+                            "bbox": [x0, y0, s, s], "area": s * s, "iscrowd": 0})
+
+
 def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.Generator,
-           coco_layout: bool = False, width: Optional[int] = None) -> None:
-    """One split; images are ``size`` high and ``width`` (default ``size``) wide."""
+           coco_layout: bool = False, width: Optional[int] = None, two_keys: float = 0.0) -> None:
+    """One split; images are ``size`` high and ``width`` (default ``size``) wide; a share
+    ``two_keys`` of them are two-key images (see the module's docstring)."""
     import cv2
 
     width = width or size
@@ -70,11 +134,15 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
     img_dir = os.path.join(out_dir, split + ("2017" if coco_layout else ""))
     os.makedirs(img_dir, exist_ok=True)
     images, annotations = [], []
-    ann_id = 1
-    key_size = max(8, size // 14)
+    # the option's single-key images use its larger key and margin too (the same look as its pairs)
+    key_size, key_margin = (size // 8, size // 8) if two_keys else (max(8, size // 14), size // 16)
     for i in range(num_images):
         noise = rng.integers(0, 50, size=(size // 16, width // 16, 3), dtype=np.uint8)
         img = cv2.resize(noise, (width, size), interpolation=cv2.INTER_CUBIC)
+        if two_keys and rng.random() < two_keys:
+            objects = _two_key_image(img, size, width, rng)
+            _write_image(img, split, i, img_dir, width, size, objects, images, annotations, coco_layout)
+            continue
         context = CONTEXTS[int(rng.integers(0, len(CONTEXTS)))]
         placed: list[tuple[int, int, int]] = []
         objects = []
@@ -93,17 +161,10 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
             objects.append((x0, y0, s, CLASSES.index(f"{shape}-{context}")))
         for _try in range(50):  # the key marker, away from every object
             kx, ky = int(rng.integers(0, width - key_size)), int(rng.integers(0, size - key_size))
-            if not _overlaps((kx, ky, key_size), placed, margin=size // 16):
+            if not _overlaps((kx, ky, key_size), placed, margin=key_margin):
                 break
         cv2.rectangle(img, (kx, ky), (kx + key_size - 1, ky + key_size - 1), _KEY_BGR[context], thickness=-1)
-        name = f"{split}_{i:05d}.png"
-        cv2.imwrite(os.path.join(img_dir, name), img)
-        images.append({"id": i + 1, "file_name": name, "width": width, "height": size})
-        for x0, y0, s, cls in objects:
-            annotations.append({"id": ann_id, "image_id": i + 1,
-                                "category_id": COCO_LAYOUT_IDS[cls] if coco_layout else cls + 1,
-                                "bbox": [x0, y0, s, s], "area": s * s, "iscrowd": 0})
-            ann_id += 1
+        _write_image(img, split, i, img_dir, width, size, objects, images, annotations, coco_layout)
     categories = ([{"id": i, "name": n, "supercategory": "none"} for i, n in COCO_CATEGORIES] if coco_layout
                   else [{"id": i + 1, "name": n} for i, n in enumerate(CLASSES)])
     coco = {"images": images, "annotations": annotations, "categories": categories}
@@ -113,14 +174,19 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
         json.dump(coco, f, sort_keys=True)
 
 
-def make_synthetic_coco(out_dir: str, num_train: int = 64, num_val: int = 32, size: int = 256, seed: int = 0) -> str:
-    """Writes the train and val splits under ``out_dir`` (skipped if already complete); returns ``out_dir``."""
-    marker = os.path.join(out_dir, f".done-v2-{num_train}-{num_val}-{size}-{seed}")
+def make_synthetic_coco(out_dir: str, num_train: int = 64, num_val: int = 32, size: int = 256, seed: int = 0,
+                        two_keys: float = 0.0) -> str:
+    """Writes the train and val splits under ``out_dir`` (skipped if already complete); returns
+    ``out_dir``. ``two_keys``: the share of two-key images (module docstring); 0 = the original data."""
+    if not 0.0 <= two_keys <= 1.0:
+        raise ValueError(f"two_keys={two_keys}: a share of the images, between 0 and 1")
+    option = f"-2k{two_keys:g}" if two_keys else ""
+    marker = os.path.join(out_dir, f".done-v2-{num_train}-{num_val}-{size}-{seed}{option}")
     if os.path.exists(marker):
         return out_dir
     rng = np.random.default_rng(seed)
-    _split(out_dir, "train", num_train, size, rng)
-    _split(out_dir, "val", num_val, size, rng)
+    _split(out_dir, "train", num_train, size, rng, two_keys=two_keys)
+    _split(out_dir, "val", num_val, size, rng, two_keys=two_keys)
     open(marker, "w").close()
     return out_dir
 
@@ -147,11 +213,15 @@ def main() -> None:
     p.add_argument("--val", type=int, default=32)
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--two-keys", type=float, default=0.0, metavar="P",
+                   help="share of images with two keys (red and blue); objects take the nearer key's colour")
     p.add_argument("--coco-layout", action="store_true",
                    help="COCO 2017's layout and 80 categories (train2017/, val2017/, instances_*2017.json)")
     a = p.parse_args()
-    make = make_coco_layout if a.coco_layout else make_synthetic_coco
-    print(make(a.out_dir, a.train, a.val, a.size, a.seed))
+    if a.coco_layout:
+        print(make_coco_layout(a.out_dir, a.train, a.val, a.size, a.seed))
+    else:
+        print(make_synthetic_coco(a.out_dir, a.train, a.val, a.size, a.seed, two_keys=a.two_keys))
 
 
 if __name__ == "__main__":
