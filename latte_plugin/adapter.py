@@ -29,11 +29,11 @@ from torch import nn
 from .console import progress as console_progress
 from .core.fidelity import DetectionDisagreement
 from .core.settings import LatteConfig, apply_inference_settings, needs_calibration
-from .core.flow import calibrate_model
+from .core.flow import calibrate_model_ratios
 from .core.layer import match_candidates
 from .core.mha import swap_mha
 
-__all__ = ["Adapter", "TorchAdapter", "calibrate", "ensure_calibrated", "take_batches", "swap_attention", "default_forward",
+__all__ = ["Adapter", "TorchAdapter", "calibrate", "calibrate_ratios", "ensure_calibrated", "take_batches", "swap_attention", "default_forward",
            "format_layer_table"]
 
 
@@ -171,6 +171,14 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
     Returns:
         The core report (see :func:`latte_plugin.core.flow.calibrate_model`).
     """
+    return next(calibrate_ratios(adapter, model, data, cfg, None))
+
+
+def calibrate_ratios(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConfig,
+                     ratios: Optional[Sequence[float]]) -> Iterator[dict]:
+    """:func:`calibrate` for several linear shares in one calibration
+    (:func:`~latte_plugin.core.flow.calibrate_model_ratios`): yields each share's report with the
+    model left in that share's hybrid until the next is asked for. ``ratios=None``: ``cfg``'s own."""
     cfg.validate()
     bare = adapter.unwrap(model)
     swap_attention(bare, cfg.candidates, cfg.variant)
@@ -181,11 +189,12 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
         raise ValueError(f"empty calibration set: the calibration data yielded no images on any of the {world} "
                          f"processes (asked for {cfg.num_images}); {adapter.data_hint}")
     detect = adapter.detect(bare)
-    report = calibrate_model(bare, batches, adapter.forward(bare), cfg, all_reduce=adapter.all_reduce_sum,
-                             log=adapter.log, progress=adapter.progress, shard=(rank, world), positions=positions,
-                             fidelity=DetectionDisagreement(detect) if detect is not None else None)
-    adapter.log("[latte] per-layer calibration:\n" + format_layer_table(report))
-    return report
+    for report in calibrate_model_ratios(
+            bare, batches, adapter.forward(bare), cfg, ratios, all_reduce=adapter.all_reduce_sum, log=adapter.log,
+            progress=adapter.progress, shard=(rank, world), positions=positions,
+            fidelity=DetectionDisagreement(detect) if detect is not None else None):
+        adapter.log("[latte] per-layer calibration:\n" + format_layer_table(report))
+        yield report
 
 
 def ensure_calibrated(adapter: Adapter, model: nn.Module, cfg: LatteConfig,

@@ -198,3 +198,57 @@ def test_target_is_rejudged_after_compensation():
     assert sel["k"] == len(rep["linearized"])
     if rep["linearized"]:
         assert sel["heldout"]["kind"] == "cross-fitted"
+
+
+def _same(a, b, path="report"):
+    """Recursive equality of two reports (floats to 1e-9 relative: the same operations in the same order)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys {sorted(set(a) ^ set(b))}"
+        for key in a:
+            _same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=0, msg=path)
+    elif isinstance(a, float) and not (math.isnan(a) and math.isnan(b)):
+        assert b == pytest.approx(a, rel=1e-9, abs=1e-12), path
+    elif not isinstance(a, float):
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+@torch.no_grad()
+def test_several_ratios_in_one_calibration_equal_separate_calibrations():
+    """``calibrate_model_ratios`` shares the split, the fits, the scores and the searches between
+    linear shares: each share's report, calibrated state and outputs equal a separate
+    ``calibrate_model`` with that ratio (package defaults otherwise: every selection and rule
+    compared, compensation judged)."""
+    from latte_plugin.core import calibrate_model_ratios
+
+    ratios = (0.5, 0.83)
+    probe = toy_batches(n=2, seed=7)
+
+    def fresh():
+        model = ToyEncoder().eval()
+        swap_mha(model, ["layers.*.attn"])
+        return model
+
+    def settings(**kw):
+        return LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, **kw)
+
+    alone = []
+    for r in ratios:
+        model = fresh()
+        rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b), settings(ratio=r), log=lambda s: None)
+        alone.append((rep, model.state_dict(), [model(x) for x in probe]))
+    model = fresh()
+    shared = calibrate_model_ratios(model, toy_batches(n=16), lambda b: model(b), settings(), ratios, log=lambda s: None)
+    for (rep, state, outs), got in zip(alone, shared):
+        _same(rep, got)
+        _same(state, model.state_dict(), "state")
+        for o, x in zip(outs, probe):
+            torch.testing.assert_close(model(x), o, rtol=0, atol=0)
+    assert [len(a[0]["linearized"]) for a in alone] == [3, 5]
+    with pytest.raises(ValueError, match="target"):
+        next(calibrate_model_ratios(model, toy_batches(n=4), lambda b: model(b), settings(target=0.05), ratios))

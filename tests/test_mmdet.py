@@ -184,6 +184,35 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path, monkeypatch):
     assert os.path.exists(tmp_path / "job" / "latte_calibrated.pth")
 
 
+def test_main_job_rows_that_differ_in_share_calibrate_once(synthetic_data, tmp_path):
+    """Rows that differ only in their share calibrate once (ours:greedy and ours:greedy@83% here;
+    ours:auto and ours:auto@83% in the full job) and each gets the figures its own calibration
+    gives; the table keeps the rows' order."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import main_job
+    from main_job_rows import ROWS, shared_calibrations
+
+    from latte_plugin.core.settings import LatteConfig
+
+    groups = shared_calibrations(LatteConfig(), ROWS)
+    assert [r.name for r in groups["ours:auto"]] == ["ours:auto", "ours:auto@83%"]
+    assert all(len(g) > 1 for g in groups.values()) and "ours:target=5%" not in str(groups)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=4, steps=3)
+    cfg_path = tmp_path / "tiny.py"
+    cfg.dump(str(cfg_path))
+    run = lambda rows, d: main_job.main(["--config", str(cfg_path), "--checkpoint", "none",  # noqa: E731
+                                         "--work-dir", str(tmp_path / d), "--rows", *rows])
+    both = run(["ours:greedy@83%", "exact", "ours:greedy"], "both")
+    alone = run(["ours:greedy@83%"], "alone")
+    assert list(both["metrics"])[:3] == ["exact", "ours:greedy", "ours:greedy@83%"]  # ROWS order
+    shared, own = both["metrics"]["ours:greedy@83%"], alone["metrics"]["ours:greedy@83%"]
+    assert shared["linear"] == own["linear"] == "5/6" and both["metrics"]["ours:greedy"]["linear"] == "4/6"
+    for key in ("bbox_mAP", "heldout_distortion", "heldout_fidelity", "heldout_mse"):
+        assert (shared[key] is None) == (own[key] is None), key
+        assert shared[key] is None or shared[key] == pytest.approx(own[key], rel=1e-9), key
+    assert shared["calibration_shared_with"] == "ours:greedy"
+
+
 def test_runner_saved_checkpoint_loads_with_weights_only(synthetic_data, tmp_path):
     """mmengine 0.10.7 pickles a HistoryBuffer and numpy arrays into every checkpoint it saves;
     torch >= 2.6 loads with weights_only=True by default. Importing latte_plugin.mmdet

@@ -8,8 +8,9 @@ apply -> report (``docs/architecture.md``, ``docs/method.md``). An adapter
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +27,7 @@ from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_
 from .settings import LatteConfig
 from .signal import attention_signal
 
-__all__ = ["calibrate_model", "AUTO_SELECTIONS"]
+__all__ = ["calibrate_model", "calibrate_model_ratios", "AUTO_SELECTIONS"]
 
 #: Selections compared by ``selection='auto'``, the paper's score first (it wins ties).
 AUTO_SELECTIONS = ("score", "greedy", "backward")
@@ -65,28 +66,100 @@ def calibrate_model(
     Returns:
         ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config, ...}``.
     """
+    return next(calibrate_model_ratios(model, batches, forward, cfg, None, all_reduce, log, progress, shard,
+                                       positions, fidelity))
+
+
+@torch.no_grad()
+def calibrate_model_ratios(
+    model: nn.Module,
+    batches: Sequence[Any],
+    forward: Callable[[Any], Any],
+    cfg: LatteConfig,
+    ratios: Optional[Sequence[float]] = None,
+    all_reduce: Optional[AllReduce] = None,
+    log: Callable[[str], None] = print,
+    progress: Callable[[Iterable, int, str], Iterable] = lambda it, total, desc: it,
+    shard: tuple[int, int] = (0, 1),
+    positions: Optional[Sequence[int]] = None,
+    fidelity: Optional[Any] = None,
+) -> Iterator[dict]:
+    """:func:`calibrate_model` for several linear shares at once: yields, for each of ``ratios``
+    in turn, the report a separate :func:`calibrate_model` with ``ratio`` set would give, with
+    the model left in that share's hybrid until the next report is asked for.
+
+    The steps that do not depend on the share (split, record, fit, score, search: every search
+    is nested, so one run gives every count) run once; each share then chooses its
+    configuration, compensates and reports from the same state. The signal (the exact model's)
+    is measured for the first share only and repeated in the others' reports.
+
+    Args:
+        ratios: the linear shares; ``None``: ``cfg``'s own count (or ``target``) only.
+        The other arguments: as :func:`calibrate_model`.
+    """
+    if ratios is not None and cfg.target is not None:
+        raise ValueError("target= chooses its own layer count: calibrate it on its own, without ratios")
+    cfgs = [cfg] if ratios is None else [replace(cfg, ratio=float(r), num_linear=None) for r in ratios]
     was_training = model.training
     run = _start(model, batches, forward, cfg, all_reduce or no_reduce, log, progress, shard, positions)
     fidelity = fidelity or RawDistortion(forward, relative=True)
     fits, corrections, targets = _calibrate_layers(run)
-    k = num_linear_layers(len(run.layers), cfg.ratio, cfg.num_linear)
-    ks = list(range(1, len(run.layers) + 1)) if cfg.target is not None else [k]
+    counts = [num_linear_layers(len(run.layers), c.ratio, c.num_linear) for c in cfgs]
+    ks = list(range(1, len(run.layers) + 1)) if cfg.target is not None else sorted(set(counts))
     halves = [_search_half(run, i, corrections, ks) for i in range(len(run.split.halves))]
+    shared, signal = _layer_states(run.layers), None
+    for c, k in zip(cfgs, counts):
+        _restore_layer_states(run.layers, shared)
+        report = _configure(replace(run, cfg=c), halves, ks if c.target is not None else [k], k,
+                            copy.deepcopy(fits), dict(corrections), targets, fidelity, signal)
+        signal = report.get("signal")
+        model.train(was_training)
+        yield report
+
+
+def _configure(run: "_Run", halves: list, ks: Sequence[int], k: int, fits: dict, corrections: dict,
+               targets: Optional[dict], fidelity: Any, signal: Optional[dict]) -> dict:
+    """The steps of one linear share (``k`` layers, or ``target``'s count among ``ks``): choose
+    the configuration and its set, compensate, install, held-out figures, apply, signal (unless
+    given) and report. ``fits`` and ``corrections`` are this share's copies (both gain entries)."""
+    cfg = run.cfg
     chosen, how = _select_configuration(run, halves, ks, k, corrections, fidelity)
     k = chosen.k if cfg.target is not None else k
     chosen, trace = _final_set(run, chosen, halves, corrections, how)
+    if cfg.target is None:  # the searches may have run past k for another share
+        trace = _trace_up_to(chosen.method, trace, k, len(run.layers))
     if chosen.layers and targets is not None and cfg.compensate != "never":
         chosen, how["compensation"] = _choose_compensation(run, chosen, targets, corrections, halves, fidelity, fits)
     _install_corrections(run, chosen, corrections, fits)
     held = _heldout_figures(run, chosen, corrections, halves, fidelity)
     sens = scores(summed_stats(h.stats for h in halves), cfg.lam)
     _apply_selection(run, chosen.layers, sens)
-    signal = attention_signal(run.layers, [b for _, b in run.split.used], forward, run.reduce) if cfg.signal else {}
-    model.train(was_training)
+    if signal is None:
+        signal = attention_signal(run.layers, [b for _, b in run.split.used], run.forward, run.reduce) if cfg.signal else {}
     report = build_report(run.layers, cfg, run.split, run.reduce, k, chosen.layers, sens, fits, trace,
                           sum(h.tokens for h in halves), held.get("raw_mse"), signal)
     report["selection"].update(how, configuration=chosen.name, heldout=held)
     return report
+
+
+def _trace_up_to(method: str, trace: list, k: int, num_layers: int) -> list:
+    """The part of a search's trace a search for ``k`` layers alone records: greedy's first ``k``
+    additions; backward's start and its restorations down to ``k`` linear (none when ``k`` is all)."""
+    if method == "greedy":
+        return [t for t in trace if t["step"] <= k]
+    if method == "backward":
+        return [t for t in trace if t["step"] <= num_layers - k] if k < num_layers else []
+    return trace
+
+
+def _layer_states(layers: dict[str, LatteParams]) -> dict[str, dict[str, Tensor]]:
+    """A copy of every layer's buffers (its whole calibrated state)."""
+    return {n: {key: t.clone() for key, t in layer.state_dict().items()} for n, layer in layers.items()}
+
+
+def _restore_layer_states(layers: dict[str, LatteParams], states: dict[str, dict[str, Tensor]]) -> None:
+    for n, layer in layers.items():
+        layer.load_state_dict(states[n])
 
 
 @dataclass

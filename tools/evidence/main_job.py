@@ -196,7 +196,8 @@ def assemble_report(res: dict, reps: dict, rows: list, default, a: argparse.Name
         report["signal"] = next((rep["signal"] for rep in reps.values() if rep.get("signal")), {})
     metrics = {name: {k: r.get(k) for k in ("bbox_mAP", "bbox_mAP_50", "retained", "linear", "attention_gflops",
                                             "encoder_latency_ratio", "heldout_distortion", "heldout_fidelity",
-                                            "heldout_mse", "weakest_signal", "calibration_seconds")}
+                                            "heldout_mse", "weakest_signal", "calibration_seconds",
+                                            "calibration_shared_with")}
                for name, r in res.items()}
     if "exact" in res and default in res:
         metrics["linearized"] = dict(metrics[default])

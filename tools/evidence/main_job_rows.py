@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from mmengine.logging import print_log
@@ -19,10 +19,11 @@ from latte_plugin.console import say, set_label
 from latte_plugin.core.settings import LatteConfig
 from latte_plugin.core.flops import attention_gflops
 from latte_plugin.core.layer import find_latte_layers, set_modes
-from latte_plugin.mmdet.calibrate import calibrate_detector, detector_forward, unwrap
+from latte_plugin.adapter import calibrate_ratios
+from latte_plugin.mmdet.calibrate import ADAPTER, calibrate_detector, detector_forward, unwrap
 from latte_plugin.mmdet.workflow import evaluate_bbox
 
-__all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "run_rows", "run_row", "row_fits", "encoder_latency",
+__all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "shared_calibrations", "run_rows", "run_row", "row_fits", "encoder_latency",
            "latency_modules"]
 
 
@@ -122,9 +123,27 @@ def encoder_latency(model, batch, reps: int = 5) -> float:
     return min(spent)
 
 
+def shared_calibrations(base: LatteConfig, rows: list) -> dict[str, list]:
+    """``{first row: [rows]}`` of the LATTE rows that differ only in ``ratio`` (no ``num_linear``,
+    no ``target``): one calibration serves them all
+    (:func:`~latte_plugin.core.flow.calibrate_model_ratios`: every report equals its own
+    calibration's). Rows with equal settings are left to :func:`run_rows`' reuse."""
+    groups: dict[str, list] = {}
+    seen: set = set()
+    for row in rows:
+        cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
+        key = row_key(base, row)
+        if row.kind != "latte" or cfg.target is not None or cfg.num_linear is not None or key in seen:
+            continue
+        seen.add(key)
+        groups.setdefault(str({**cfg.to_dict(), "ratio": None}), []).append(row)
+    return {members[0].name: members for members in groups.values() if len(members) > 1}
+
+
 def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = None, timing_reps: int = 20,
              on_calibrated: Optional[Callable[[str, dict], None]] = None) -> dict:
-    """Calibrates and evaluates every row.
+    """Calibrates and evaluates every row (rows that differ only in their linear share share
+    one calibration, :func:`shared_calibrations`, and run one after the other).
 
     Args:
         runner: an mmengine Runner whose model already holds LATTE cores.
@@ -136,32 +155,49 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
 
     Returns:
         ``{"rows": {name: metrics, linear, encoder_latency_ratio, attention_gflops, retained},
-        "reports": {name: calibration report}}``.
+        "reports": {name: calibration report}}``, rows in the order given.
     """
     model = unwrap(runner.model)
     model.eval()
     rows = rows or ROWS
     results, reports = {}, {}
     done: dict[str, str] = {}  # effective settings -> first row that ran them
+    groups = shared_calibrations(base, rows)
     for row in rows:
         key = row_key(base, row)
+        if row.name in results:  # run with its group
+            continue
         if key in done:  # same effective settings as an earlier row (e.g. a default spelled out)
             results[row.name] = copy.deepcopy(results[done[key]])
             if done[key] in reports:
                 reports[row.name] = reports[done[key]]
             print_log(f"[latte] row {row.name}: same settings as {done[key]}", logger="current")
             continue
-        done[key] = row.name
-        set_label(row.name)
-        results[row.name] = run_row(runner, batches, base, row, reports, timing_reps, on_calibrated)
+        members = groups.get(row.name, [row])
+        calibrations = None
+        if len(members) > 1:
+            first = dataclasses.replace(copy.deepcopy(base), **row.changes)
+            first.signal = first.signal and not any(rep.get("signal") for rep in reports.values())
+            calibrations = calibrate_ratios(ADAPTER, model, batches, first,
+                                            [dataclasses.replace(copy.deepcopy(base), **m.changes).ratio
+                                             for m in members])
+        for member in members:
+            done[row_key(base, member)] = member.name
+            set_label(member.name)
+            results[member.name] = run_row(runner, batches, base, member, reports, timing_reps, on_calibrated,
+                                           calibrations)
+            if member is not row:  # its calibration_seconds count only the steps of its own share
+                results[member.name]["calibration_shared_with"] = row.name
+    results = {r.name: results[r.name] for r in rows}
     add_gflops_and_kept(results, reports, rows, model)
     return {"rows": results, "reports": reports}
 
 
 def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, timing_reps: int,
-            on_calibrated: Optional[Callable[[str, dict], None]]) -> dict:
-    """One row: calibrate (LATTE rows; the report goes to ``reports``), time the encoder against
-    the exact model's on the same batch, and evaluate with the Runner's own test loop."""
+            on_calibrated: Optional[Callable[[str, dict], None]], calibrations: Optional[Iterator[dict]] = None) -> dict:
+    """One row: calibrate (LATTE rows; the report goes to ``reports``; from ``calibrations``, a
+    shared calibration's next report, when given), time the encoder against the exact model's on
+    the same batch, and evaluate with the Runner's own test loop."""
     t0 = time.time()
     model = unwrap(runner.model)
     cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
@@ -171,7 +207,7 @@ def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, t
     t_cal = 0.0
     if row.kind == "latte":
         t_cal = time.time()
-        rep = calibrate_detector(model, batches, cfg)
+        rep = next(calibrations) if calibrations is not None else calibrate_detector(model, batches, cfg)
         t_cal = time.time() - t_cal
         reports[row.name] = rep
         if on_calibrated is not None:

@@ -46,6 +46,13 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _calibration_seconds(m: dict) -> str:
+    """Seconds; a row calibrated together with an earlier one (same settings but the share) counts
+    only its own steps, and says with which row."""
+    secs = _num(m.get("calibration_seconds") or None, ".0f")
+    return f"{secs} (with {m['calibration_shared_with']})" if m.get("calibration_shared_with") else secs
+
+
 def main_job_table(model: str) -> str:
     """Every row of the main job on one embedded model."""
     res = _load(f"main_job_{model}.json")
@@ -57,7 +64,7 @@ def main_job_table(model: str) -> str:
                      _num(100 * m["retained"] if m.get("retained") is not None else None, ".1f"),
                      f"{m['attention_gflops']:.4f}", _num(m.get("heldout_distortion"), ".3e"),
                      _num(m.get("heldout_fidelity"), ".3f"), _num(m.get("heldout_mse"), ".3e"),
-                     _num(m.get("weakest_signal"), ".1e"), _num(m.get("calibration_seconds") or None, ".0f")])
+                     _num(m.get("weakest_signal"), ".1e"), _calibration_seconds(m)])
     head = ["row", "linear", "bbox mAP", "mAP@.5", "% kept", "attn GFLOPs", "held-out distortion",
             "held-out detection disagreement", "held-out layer MSE", "weakest linear layer's signal", "calibration s"]
     return _table(head, rows) + f"\n\n`{res['command']}`: {res['seconds'] / 60:.1f} min on 2 CPU cores."
