@@ -55,9 +55,13 @@ def main(argv=None) -> dict:
                                        "with another seed: calibrate on its train split, evaluate on its val split")
     p.add_argument("--input-size", type=int, help="run at N x N instead: every pipeline's Resize (the model must take "
                                                   "it: e.g. a RoPE backbone), with a --data-root generated at that size")
+    p.add_argument("--timing-reps", type=int, default=20,
+                   help="forwards timed per row for the speed-up column (best of N; default 20)")
     p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
     p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
     a = p.parse_args(argv)
+    if a.timing_reps < 1:
+        p.error(f"--timing-reps {a.timing_reps}: give at least 1")
     from latte_plugin.console import quiet, say
 
     log_path = os.path.join(a.work_dir, "main_job.log")
@@ -142,7 +146,7 @@ def run(a: argparse.Namespace) -> dict:
         if name == saved_as:
             save_calibrated_checkpoint(runner.model, rep, ckpt_path)
 
-    out = run_rows(runner, batches, base, rows, on_calibrated=on_calibrated)
+    out = run_rows(runner, batches, base, rows, timing_reps=a.timing_reps, on_calibrated=on_calibrated)
     report = assemble_report(out["rows"], out["reports"], rows, default, a, t0)
     atomic_write_json(report, os.path.join(a.work_dir, REPORT_NAME))
     if a.results:
