@@ -8,22 +8,20 @@ apply -> report (``docs/architecture.md``, ``docs/method.md``). An adapter
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .calibration import (CORRECTION_RULES, AllReduce, FittedCorrection, LayerRecorder, fit_correction,
-                          fit_layer, no_reduce, set_correction, share_items)
+from .calibration import CORRECTION_RULES, AllReduce, LayerRecorder, fit_correction, fit_layer, no_reduce, set_correction, share_items
 from .choice import Configuration, choose_configuration, configuration_name, target_count
 from .fidelity import RawDistortion
 from .judge import (ROLES, CalibrationSplit, CrossFitJudge, HalfSearch, across_halves, fold_assignment, measured, merged,
                     on_every_image, output_distortion, split_calibration)
-from .layer import LatteParams, find_latte_layers, set_modes
+from .layer import LatteParams, find_latte_layers, layer_states, restore_layer_states, set_modes
 from .report import build_report, fit_entry
-from .selection import LastOutput, SensitivityStats, candidate_sets, num_linear_layers, scores, select_by_score, summed_stats
+from .selection import candidate_sets, num_linear_layers, score_stats, scores, select_by_score, summed_stats, trace_up_to
 from .settings import LatteConfig
 from .signal import attention_signal
 
@@ -33,41 +31,12 @@ __all__ = ["calibrate_model", "calibrate_model_ratios", "AUTO_SELECTIONS"]
 AUTO_SELECTIONS = ("score", "greedy", "backward")
 
 
-@torch.no_grad()
-def calibrate_model(
-    model: nn.Module,
-    batches: Sequence[Any],
-    forward: Callable[[Any], Any],
-    cfg: LatteConfig,
-    all_reduce: Optional[AllReduce] = None,
-    log: Callable[[str], None] = print,
-    progress: Callable[[Iterable, int, str], Iterable] = lambda it, total, desc: it,
-    shard: tuple[int, int] = (0, 1),
-    positions: Optional[Sequence[int]] = None,
-    fidelity: Optional[Any] = None,
-) -> dict:
-    """Splits, records, fits, scores, selects and reports; leaves ``model`` hybrid.
-
-    Args:
-        model: a model whose candidate attention modules hold :class:`LatteParams`.
-        batches: calibration batches (this rank's share), reused for every pass.
-        forward: runs the model on one batch; returns its raw outputs (tensors, nested ok).
-        cfg: the settings.
-        all_reduce: sums a float64 tensor across ranks in place; identity when None.
-        log: receives progress lines.
-        progress: wraps an iterable in a progress bar: ``progress(iterable, total, description)``.
-        shard: ``(rank, world_size)``.
-        positions: the global position of each local batch (``latte_plugin.adapter.take_batches``);
-            default: dealt round-robin, local batch ``i`` is global batch ``i * world_size + rank``.
-        fidelity: the measure ``target`` budgets (:mod:`~latte_plugin.core.fidelity`); default:
-            the relative raw-output distortion. Detector adapters pass
-            :class:`~latte_plugin.core.fidelity.DetectionDisagreement`.
-
-    Returns:
-        ``{variant, candidates, sensitivity, linearized, params, fit, selection, attention_gflops, config, ...}``.
-    """
-    return next(calibrate_model_ratios(model, batches, forward, cfg, None, all_reduce, log, progress, shard,
-                                       positions, fidelity))
+def calibrate_model(model: nn.Module, batches: Sequence[Any], forward: Callable[[Any], Any], cfg: LatteConfig,
+                    **kwargs: Any) -> dict:
+    """Splits, records, fits, scores, selects and reports; leaves ``model`` hybrid
+    (:func:`calibrate_model_ratios` with ``cfg``'s own count; the same arguments but ``ratios``).
+    Returns ``{variant, candidates, sensitivity, linearized, params, fit, selection, config, ...}``."""
+    return next(calibrate_model_ratios(model, batches, forward, cfg, None, **kwargs))
 
 
 @torch.no_grad()
@@ -84,18 +53,29 @@ def calibrate_model_ratios(
     positions: Optional[Sequence[int]] = None,
     fidelity: Optional[Any] = None,
 ) -> Iterator[dict]:
-    """:func:`calibrate_model` for several linear shares at once: yields, for each of ``ratios``
-    in turn, the report a separate :func:`calibrate_model` with ``ratio`` set would give, with
-    the model left in that share's hybrid until the next report is asked for.
+    """Calibrates for several linear shares at once: yields, for each of ``ratios`` in turn, the
+    report a separate :func:`calibrate_model` with ``ratio`` set would give, with the model left
+    in that share's hybrid until the next report is asked for.
 
-    The steps that do not depend on the share (split, record, fit, score, search: every search
-    is nested, so one run gives every count) run once; each share then chooses its
-    configuration, compensates and reports from the same state. The signal (the exact model's)
-    is measured for the first share only and repeated in the others' reports.
+    Split, record, fit, score and search run once (every search is nested: one run gives every
+    count); each share then configures from the same saved state (``docs/architecture.md``).
+    The signal (the exact model's) is measured for the first share only.
 
     Args:
+        model: a model whose candidate attention modules hold :class:`LatteParams`.
+        batches: calibration batches (this rank's share), reused for every pass.
+        forward: runs the model on one batch; returns its raw outputs (tensors, nested ok).
+        cfg: the settings.
         ratios: the linear shares; ``None``: ``cfg``'s own count (or ``target``) only.
-        The other arguments: as :func:`calibrate_model`.
+        all_reduce: sums a float64 tensor across ranks in place; identity when None.
+        log: receives progress lines.
+        progress: wraps an iterable in a progress bar: ``progress(iterable, total, description)``.
+        shard: ``(rank, world_size)``.
+        positions: the global position of each local batch (``latte_plugin.adapter.take_batches``);
+            default: dealt round-robin, local batch ``i`` is global batch ``i * world_size + rank``.
+        fidelity: the measure ``target`` budgets (:mod:`~latte_plugin.core.fidelity`); default:
+            the relative raw-output distortion. Detector adapters pass
+            :class:`~latte_plugin.core.fidelity.DetectionDisagreement`.
     """
     if ratios is not None and cfg.target is not None:
         raise ValueError("target= chooses its own layer count: calibrate it on its own, without ratios")
@@ -107,11 +87,11 @@ def calibrate_model_ratios(
     counts = [num_linear_layers(len(run.layers), c.ratio, c.num_linear) for c in cfgs]
     ks = list(range(1, len(run.layers) + 1)) if cfg.target is not None else sorted(set(counts))
     halves = [_search_half(run, i, corrections, ks) for i in range(len(run.split.halves))]
-    shared, signal = _layer_states(run.layers), None
+    shared, signal = layer_states(run.layers), None
     for c, k in zip(cfgs, counts):
-        _restore_layer_states(run.layers, shared)
+        restore_layer_states(run.layers, shared)
         report = _configure(replace(run, cfg=c), halves, ks if c.target is not None else [k], k,
-                            copy.deepcopy(fits), dict(corrections), targets, fidelity, signal)
+                            {n: dict(f) for n, f in fits.items()}, dict(corrections), targets, fidelity, signal)
         signal = report.get("signal")
         model.train(was_training)
         yield report
@@ -119,15 +99,14 @@ def calibrate_model_ratios(
 
 def _configure(run: "_Run", halves: list, ks: Sequence[int], k: int, fits: dict, corrections: dict,
                targets: Optional[dict], fidelity: Any, signal: Optional[dict]) -> dict:
-    """The steps of one linear share (``k`` layers, or ``target``'s count among ``ks``): choose
-    the configuration and its set, compensate, install, held-out figures, apply, signal (unless
-    given) and report. ``fits`` and ``corrections`` are this share's copies (both gain entries)."""
+    """One share's steps (``k`` layers, or ``target``'s count among ``ks``), from choosing the
+    configuration to the report; ``fits`` and ``corrections`` are its own copies."""
     cfg = run.cfg
     chosen, how = _select_configuration(run, halves, ks, k, corrections, fidelity)
     k = chosen.k if cfg.target is not None else k
     chosen, trace = _final_set(run, chosen, halves, corrections, how)
     if cfg.target is None:  # the searches may have run past k for another share
-        trace = _trace_up_to(chosen.method, trace, k, len(run.layers))
+        trace = trace_up_to(chosen.method, trace, k, len(run.layers))
     if chosen.layers and targets is not None and cfg.compensate != "never":
         chosen, how["compensation"] = _choose_compensation(run, chosen, targets, corrections, halves, fidelity, fits)
     _install_corrections(run, chosen, corrections, fits)
@@ -140,26 +119,6 @@ def _configure(run: "_Run", halves: list, ks: Sequence[int], k: int, fits: dict,
                           sum(h.tokens for h in halves), held.get("raw_mse"), signal)
     report["selection"].update(how, configuration=chosen.name, heldout=held)
     return report
-
-
-def _trace_up_to(method: str, trace: list, k: int, num_layers: int) -> list:
-    """The part of a search's trace a search for ``k`` layers alone records: greedy's first ``k``
-    additions; backward's start and its restorations down to ``k`` linear (none when ``k`` is all)."""
-    if method == "greedy":
-        return [t for t in trace if t["step"] <= k]
-    if method == "backward":
-        return [t for t in trace if t["step"] <= num_layers - k] if k < num_layers else []
-    return trace
-
-
-def _layer_states(layers: dict[str, LatteParams]) -> dict[str, dict[str, Tensor]]:
-    """A copy of every layer's buffers (its whole calibrated state)."""
-    return {n: {key: t.clone() for key, t in layer.state_dict().items()} for n, layer in layers.items()}
-
-
-def _restore_layer_states(layers: dict[str, LatteParams], states: dict[str, dict[str, Tensor]]) -> None:
-    for n, layer in layers.items():
-        layer.load_state_dict(states[n])
 
 
 @dataclass
@@ -286,44 +245,9 @@ def _exact_targets(recs: dict) -> dict[str, dict[int, Tensor]]:
     return {n: {it.key: it.target for role in ROLES for it in recs[role][n].items} for n in recs["fit"]}
 
 
-def _score_stats(run: _Run, batches: list, corrections: dict[str, FittedCorrection]) -> tuple[dict, Tensor]:
-    """The paper's per-layer score statistics (exact vs fully linear outputs, streamed; summed
-    across ranks, so they add up over image sets) and ``(token rows, images)`` per layer, over
-    ``batches`` (``docs/method.md#selection``); each image's linear pass uses the corrections
-    fitted without its fold."""
-    layers, names = run.layers, list(run.layers)
-    stats = {n: SensitivityStats() for n in names}
-    tokens = torch.zeros(len(names), 2, dtype=torch.float64)
-    captured: dict[str, Tensor] = {}
-    for n in names:
-        layers[n].probe = LastOutput(captured, n)
-    try:
-        for pos, batch in run.progress(batches, len(batches), "scoring"):
-            outs = []
-            for n in names:
-                set_correction(layers[n], *corrections[n].folds[run.fold_of[pos]])
-            for linear in ([], names):
-                set_modes(layers, linear)
-                captured.clear()
-                run.forward(batch)
-                outs.append(dict(captured))
-            for i, n in enumerate(names):
-                if n not in outs[0] or n not in outs[1]:
-                    raise RuntimeError(f"layer {n} was not run by forward(); is it really used by the model?")
-                stats[n].update(outs[0][n], outs[1][n])
-                tokens[i] += torch.tensor([outs[0][n].shape[0] * outs[0][n].shape[1], outs[0][n].shape[0]])
-    finally:
-        for n in names:
-            layers[n].probe = None
-            set_correction(layers[n], corrections[n].kind, corrections[n].weights)
-    for n in names:
-        stats[n].sums = run.reduce(stats[n].sums)
-    return stats, run.reduce(tokens)
-
-
 def _search_half(run: _Run, i: int, corrections: dict, ks: Sequence[int]) -> HalfSearch:
     """Scores half ``i`` and runs every selection method on it (cross-fitted, the user's rule)."""
-    stats, tokens = _score_stats(run, run.split.halves[i], corrections[run.cfg.correction])
+    stats, tokens = score_stats(run, run.split.halves[i], corrections[run.cfg.correction])
     searcher = CrossFitJudge(run.layers, run.split.greedy[i], run.fold_of, run.reduce)
     sets, traces = _search(run, [searcher], scores(stats, run.cfg.lam), ks, corrections, run.methods)
     return HalfSearch(CrossFitJudge(run.layers, run.split.halves[i], run.fold_of, run.reduce), searcher, stats, tokens,

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import kernels
 
-__all__ = ["MODES", "LatteParams", "merge_heads", "match_candidates", "find_latte_layers", "set_modes"]
+__all__ = ["MODES", "LatteParams", "merge_heads", "match_candidates", "find_latte_layers", "set_modes", "layer_states", "restore_layer_states"]
 
 #: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys;
 #: ``uniform`` = the mean of the values (a control that shows how much attention matters).
@@ -269,3 +269,14 @@ def set_modes(layers: dict[str, LatteParams], linear: Iterable[str], mode: str =
     linear = set(linear)
     for name, layer in layers.items():
         layer.mode = mode if name in linear else "exact"
+
+
+def layer_states(layers: dict[str, LatteParams]) -> dict[str, dict[str, Tensor]]:
+    """A copy of every layer's buffers (its whole calibrated state)."""
+    return {n: {key: t.clone() for key, t in layer.state_dict().items()} for n, layer in layers.items()}
+
+
+def restore_layer_states(layers: dict[str, LatteParams], states: dict[str, dict[str, Tensor]]) -> None:
+    """Loads :func:`layer_states`' copies back."""
+    for n, layer in layers.items():
+        layer.load_state_dict(states[n])

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["backward_select", "candidate_sets", "LastOutput", "scores", "summed_stats",
+from .calibration import set_correction
+from .layer import set_modes
+
+__all__ = ["backward_select", "candidate_sets", "LastOutput", "scores", "score_stats", "summed_stats", "trace_up_to",
     "naive_sensitivity_score",
     "SensitivityStats",
     "num_linear_layers",
@@ -186,3 +189,48 @@ def summed_stats(stats: Iterable[dict]) -> dict:
             else:
                 total[n].sums = total[n].sums + st.sums
     return total
+
+
+def trace_up_to(method: str, trace: list, k: int, num_layers: int) -> list:
+    """The part of a search's trace a search for ``k`` layers alone records: greedy's first ``k``
+    additions; backward's start and its restorations down to ``k`` linear (none when ``k`` is all)."""
+    if method == "greedy":
+        return [t for t in trace if t["step"] <= k]
+    if method == "backward":
+        return [t for t in trace if t["step"] <= num_layers - k] if k < num_layers else []
+    return trace
+
+
+def score_stats(run: Any, batches: list, corrections: dict) -> tuple[dict, Tensor]:
+    """The paper's per-layer score statistics (exact vs fully linear outputs, streamed; summed
+    across ranks, so they add up over image sets) and ``(token rows, images)`` per layer, over
+    ``batches`` (``docs/method.md#selection``); each image's linear pass uses the corrections
+    fitted without its fold."""
+    layers, names = run.layers, list(run.layers)
+    stats = {n: SensitivityStats() for n in names}
+    tokens = torch.zeros(len(names), 2, dtype=torch.float64)
+    captured: dict[str, Tensor] = {}
+    for n in names:
+        layers[n].probe = LastOutput(captured, n)
+    try:
+        for pos, batch in run.progress(batches, len(batches), "scoring"):
+            outs = []
+            for n in names:
+                set_correction(layers[n], *corrections[n].folds[run.fold_of[pos]])
+            for linear in ([], names):
+                set_modes(layers, linear)
+                captured.clear()
+                run.forward(batch)
+                outs.append(dict(captured))
+            for i, n in enumerate(names):
+                if n not in outs[0] or n not in outs[1]:
+                    raise RuntimeError(f"layer {n} was not run by forward(); is it really used by the model?")
+                stats[n].update(outs[0][n], outs[1][n])
+                tokens[i] += torch.tensor([outs[0][n].shape[0] * outs[0][n].shape[1], outs[0][n].shape[0]])
+    finally:
+        for n in names:
+            layers[n].probe = None
+            set_correction(layers[n], corrections[n].kind, corrections[n].weights)
+    for n in names:
+        stats[n].sums = run.reduce(stats[n].sums)
+    return stats, run.reduce(tokens)
