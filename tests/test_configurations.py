@@ -14,7 +14,8 @@ from torch import nn
 
 from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_mha
 from latte_plugin.core.choice import NOISE_Z, choose_configuration, naive_paired_gain, paired_gain
-from latte_plugin.core.judge import Verdict, output_distortion
+from latte_plugin.core.fidelity import RawDistortion
+from latte_plugin.core.judge import Verdict, configuration_judge, output_distortion
 from tests.toy import ToyEncoder, toy_batches
 
 
@@ -173,6 +174,7 @@ def test_a_compensation_that_breaks_the_target_is_dropped(monkeypatch, target_lo
     class Run:
         cfg = LatteConfig(target=0.05)
         forward = staticmethod(lambda b: b)
+        judge = RawDistortion(lambda b: b, relative=False)
 
         @staticmethod
         def log(line):
@@ -252,3 +254,47 @@ def test_several_ratios_in_one_calibration_equal_separate_calibrations():
     assert [len(a[0]["linearized"]) for a in alone] == [3, 5]
     with pytest.raises(ValueError, match="target"):
         next(calibrate_model_ratios(model, toy_batches(n=4), lambda b: model(b), settings(target=0.05), ratios))
+
+
+class _FirstToken(RawDistortion):
+    """A measure that only looks at the first token's output (stands in for a detector's
+    detections: a different view of the same outputs than the raw MSE over every token)."""
+
+    name = "first-token MSE"
+
+    def __init__(self, forward):
+        super().__init__(lambda b: forward(b)[:, :1], relative=False)
+        self.name = "first-token MSE"
+
+
+def test_configuration_judge_follows_the_setting():
+    fwd = lambda b: b  # noqa: E731
+    det = _FirstToken(fwd)
+    assert configuration_judge(LatteConfig(judge="outputs"), fwd, det).name == "raw-output MSE"
+    assert configuration_judge(LatteConfig(judge="detections"), fwd, det) is det
+    assert configuration_judge(LatteConfig(judge="auto"), fwd, det) is det
+    assert configuration_judge(LatteConfig(judge="auto"), fwd, None).name == "raw-output MSE"
+    with pytest.raises(ValueError, match="judge='detections' needs a detector"):
+        configuration_judge(LatteConfig(judge="detections"), fwd, None)
+    with pytest.raises(ValueError, match="judge must be one of"):
+        LatteConfig(judge="mAP").validate()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("judge", ["outputs", "detections"])
+def test_the_judge_setting_decides_what_compares_configurations_and_compensation(judge):
+    """The configurations' losses and the compensation's are the judge's: with ``detections``
+    the detector's measure (here a stand-in), with ``outputs`` the raw-output MSE; the chosen
+    configuration is the reference or the judge's best."""
+    model = ToyEncoder().eval()
+    swap_mha(model, ["layers.*.attn"])
+    measure = _FirstToken(lambda b: model(b))
+    rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b),
+                          LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, judge=judge,
+                                      compensate="always"), log=lambda s: None, fidelity=measure)
+    sel = rep["selection"]
+    name = measure.name if judge == "detections" else "raw-output MSE"
+    assert sel["measure"] == name and sel["compensation"]["measure"] == name
+    cmp = sel["comparison"]
+    assert sel["configuration"].removesuffix("+compensation") in (cmp["reference"], cmp["best"])
+    assert cmp["best"] == min(cmp["losses"], key=cmp["losses"].get)

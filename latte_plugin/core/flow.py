@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from .calibration import CORRECTION_RULES, AllReduce, LayerRecorder, fit_correction, fit_layer, no_reduce, set_correction, share_items
 from .choice import Configuration, choose_configuration, configuration_name, target_count
 from .fidelity import RawDistortion
-from .judge import (ROLES, CalibrationSplit, CrossFitJudge, HalfSearch, across_halves, fold_assignment, measured, merged,
-                    on_every_image, output_distortion, split_calibration)
+from .judge import (ROLES, CalibrationSplit, CrossFitJudge, HalfSearch, across_halves, configuration_judge, fold_assignment,
+                    measured, merged, on_every_image, output_distortion, split_calibration)
 from .layer import LatteParams, find_latte_layers, layer_states, restore_layer_states, set_modes
 from .report import build_report, fit_entry
 from .selection import candidate_sets, num_linear_layers, score_stats, scores, select_by_score, summed_stats, trace_up_to
@@ -82,7 +82,7 @@ def calibrate_model_ratios(
     cfgs = [cfg] if ratios is None else [replace(cfg, ratio=float(r), num_linear=None) for r in ratios]
     was_training = model.training
     run = _start(model, batches, forward, cfg, all_reduce or no_reduce, log, progress, shard, positions)
-    fidelity = fidelity or RawDistortion(forward, relative=True)
+    run.judge, fidelity = configuration_judge(cfg, forward, fidelity), fidelity or RawDistortion(forward, relative=True)
     fits, corrections, targets = _calibrate_layers(run)
     counts = [num_linear_layers(len(run.layers), c.ratio, c.num_linear) for c in cfgs]
     ks = list(range(1, len(run.layers) + 1)) if cfg.target is not None else sorted(set(counts))
@@ -134,6 +134,7 @@ class _Run:
     log: Callable[[str], None]
     progress: Callable[[Iterable, int, str], Iterable]
     shard: tuple[int, int]
+    judge: Any = None  # what judges whole configurations and the compensation (configuration_judge)
 
     @property
     def rules(self) -> tuple:
@@ -272,7 +273,7 @@ def _select_configuration(run: _Run, halves: list, ks: Sequence[int], k: int, co
     cfg, pairs = run.cfg, [(m, r) for m in run.methods for r in run.rules]
     if not ks or max(ks) == 0:
         return Configuration(run.methods[0], cfg.correction, []), {}
-    measure, info = RawDistortion(run.forward, relative=False), {}
+    measure, info = run.judge, {}
     if cfg.target is not None:
         measure = fidelity
         k, info = target_count(run.methods, ks, float(cfg.target),
@@ -315,11 +316,11 @@ def _final_set(run: _Run, chosen: Configuration, halves: list, corrections: dict
 def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, corrections: dict, halves: list,
                          fidelity: Any, fits: dict) -> tuple[Configuration, dict]:
     """Compensates the chosen layers (:func:`_compensate_layers`) and, with ``compensate='auto'``,
-    keeps it only if the hybrid's cross-fitted raw-output MSE on every fit and choice image is lower
+    keeps it only if the hybrid's cross-fitted ``run.judge`` loss on every fit and choice image is lower
     (ties keep the plain fit) and, with ``target``, its fidelity loss is still within the target.
     The compensated corrections join ``corrections`` under ``<rule>+compensation``; the
     compensated fits go to ``fits[layer]["compensated"]`` (``docs/method.md#compensation``)."""
-    mse = RawDistortion(run.forward, relative=False)
+    mse = run.judge
     compensated = replace(chosen, compensated=True)
     key = compensated.corrections_key
     before = on_every_image(halves, mse, corrections[chosen.rule], chosen.rule, chosen.layers).loss
@@ -327,13 +328,13 @@ def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, correc
     corrections[key] = {**corrections[chosen.rule], **comp}
     after = on_every_image(halves, mse, corrections[key], key, chosen.layers).loss
     keep = run.cfg.compensate == "always" or after < before
-    info = {"crossfit_distortion": {"plain": before, "compensated": after}}
+    info = {"crossfit_distortion": {"plain": before, "compensated": after}, "measure": mse.name}
     if keep and run.cfg.target is not None and run.cfg.compensate == "auto":
         info["target_loss"] = on_every_image(halves, fidelity, corrections[key], key, chosen.layers).loss
         keep = info["target_loss"] <= float(run.cfg.target)  # re-judged: dropped if it breaks the budget
     for n in chosen.layers:
         fits[n]["compensated"] = comp_fits[n]
-    run.log(f"[latte] error compensation: cross-fitted output MSE {before:.4e} -> {after:.4e}: "
+    run.log(f"[latte] error compensation: cross-fitted {mse.name} {before:.4e} -> {after:.4e}: "
             f"{'kept' if keep else 'not kept'}")
     return (compensated if keep else chosen), {**info, "kept": keep}
 

@@ -24,7 +24,7 @@ from .settings import LatteConfig
 
 __all__ = ["ROLES", "CalibrationSplit", "image_role", "compares_configurations", "split_calibration",
            "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "merged", "cross_fitted", "CrossFitJudge",
-           "HalfSearch", "across_halves", "on_every_image"]
+           "HalfSearch", "across_halves", "on_every_image", "configuration_judge"]
 
 
 #: The roles of calibration images: fitted on; choosing the knobs; only reporting held-out errors.
@@ -251,3 +251,19 @@ def across_halves(halves: list, measure: Any, corrections: dict, rule: str, meth
 def on_every_image(halves: list, measure: Any, corrections: dict, key: str, layers: list[str]) -> Verdict:
     """``layers`` judged on every fit and choice image with ``corrections`` (cross-fitted)."""
     return merged([h.judge(measure, corrections, key)(layers) for h in halves], measure)
+
+
+def configuration_judge(cfg: LatteConfig, forward: Callable[[Any], Any], detections: Optional[Any]) -> Any:
+    """The measure that judges whole configurations and the compensation (``cfg.judge``): the
+    raw-output MSE, or ``detections`` (the detector adapter's
+    :class:`~latte_plugin.core.fidelity.DetectionDisagreement`; ``None`` for other models).
+
+    Raises:
+        ValueError: ``judge='detections'`` on a model without a detector's post-processing.
+    """
+    if cfg.judge == "detections" and detections is None:
+        raise ValueError("judge='detections' needs a detector (an adapter that runs its post-processing); "
+                         "use judge='outputs' or 'auto' for this model")
+    if cfg.judge != "outputs" and detections is not None:
+        return detections
+    return RawDistortion(forward, relative=False)

@@ -17,7 +17,7 @@ from .kernels import VARIANTS
 from .layer import find_latte_layers, set_modes
 from .selection import num_linear_layers
 
-__all__ = ["LatteConfig", "SELECTIONS", "CALIBRATE", "COMPENSATE", "INFERENCE_MODES", "needs_calibration",
+__all__ = ["LatteConfig", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES", "INFERENCE_MODES", "needs_calibration",
            "apply_inference_settings"]
 
 #: Layer selections; ``auto`` compares the others as parts of whole configurations, judged end to
@@ -29,6 +29,9 @@ CALIBRATE = ("auto", "always", "never")
 #: Error compensation after the selection: ``auto`` keeps it only where it lowers the
 #: cross-fitted output error.
 COMPENSATE = ("auto", "always", "never")
+#: What judges whole configurations and the compensation: the raw outputs, the detections, or
+#: ``auto`` (the detections where the adapter runs the detector's post-processing).
+JUDGES = ("outputs", "detections", "auto")
 #: Modes of the selected layers at inference.
 INFERENCE_MODES = ("linear", "dynamic")
 
@@ -86,6 +89,9 @@ class LatteConfig:
                                   "auto (compare them, each with every correction rule, end to end by cross-fitting; "
                                   "the paper's score with sigma is kept unless another wins by more than its noise)",
                           SELECTIONS)
+    judge: str = _opt("outputs", "what judges whole configurations and the compensation, cross-fitted: outputs (the "
+                                 "raw-output MSE), detections (1 - agreement of the detections with the exact "
+                                 "model's; detectors only), or auto (detections for detectors, else outputs)", JUDGES)
     target: Optional[float] = _opt(None, "fidelity budget in (0, 1) instead of a count: the most layers whose "
                                          "cross-fitted fidelity loss stays within it; for detectors 1 - agreement "
                                          "of the detections with the exact model's (0.05 keeps 95 percent), else the "
@@ -120,6 +126,8 @@ class LatteConfig:
             raise ValueError(f"target (a fidelity loss budget, e.g. 0.05 keeps 95%) must be in (0, 1), got {self.target}")
         if self.compensate not in COMPENSATE:
             raise ValueError(f"compensate must be one of {', '.join(COMPENSATE)}, got {self.compensate!r}")
+        if self.judge not in JUDGES:
+            raise ValueError(f"judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
         if self.calibrate not in CALIBRATE:
             raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {self.calibrate!r}")
         if self.mode not in INFERENCE_MODES:
