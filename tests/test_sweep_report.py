@@ -47,3 +47,18 @@ def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     assert sweep_defaults._done(again, model="cond_detr", seed=3, budget=8, row="ours")
     assert not sweep_defaults._done(again, model="cond_detr", seed=3, budget=16, row="ours")
     assert set(sweep_defaults.DETECTOR_ROWS) == {"paper", "previous", "ours", "ours@83%"}
+
+
+def test_the_sweep_gives_the_main_job_every_argument_its_build_reads(monkeypatch, tmp_path):
+    """The sweep builds its runs through main_job.build: every ``a.<flag>`` that build reads must
+    be there (a hand-made Namespace once lacked a flag added to the main job later)."""
+    import inspect
+    import re
+
+    import main_job
+
+    monkeypatch.setattr(sweep_defaults, "_split", lambda seed: str(tmp_path / f"seed{seed}"))
+    a = sweep_defaults.job_arguments("cond_detr", 707, 32)
+    read = set(re.findall(r"\ba\.(\w+)", inspect.getsource(main_job.build)))
+    assert read and all(hasattr(a, name) for name in read), sorted(n for n in read if not hasattr(a, n))
+    assert a.num_images == 32 and a.data_root.endswith("seed707") and a.input_size is None

@@ -44,7 +44,8 @@ def format_table(rows: dict) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The job's flags (the sweep builds its runs' arguments with it too)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="'none' keeps the init weights (tests)")
@@ -59,6 +60,11 @@ def main(argv=None) -> dict:
                    help="forwards timed per row for the speed-up column (best of N; default 20)")
     p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
     p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
+    return p
+
+
+def main(argv=None) -> dict:
+    p = parser()
     a = p.parse_args(argv)
     if a.timing_reps < 1:
         p.error(f"--timing-reps {a.timing_reps}: give at least 1")

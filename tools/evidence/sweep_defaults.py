@@ -83,6 +83,16 @@ def _choice(rep: dict) -> dict:
             "compensated": bool((sel.get("compensation") or {}).get("kept"))}
 
 
+def job_arguments(model: str, seed: int, num_images: int) -> argparse.Namespace:
+    """The main job's arguments (its own parser, so every flag has its default) for one model and split."""
+    from main_job import parser
+
+    config, ckpt = MODELS[model]
+    return parser().parse_args(["--config", config, "--checkpoint", ckpt, "--data-root", _split(seed),
+                                "--num-images", str(num_images),
+                                "--work-dir", os.path.join(ROOT, "work_dirs", "sweep", f"{model}_seed{seed}")])
+
+
 def sweep_detector(model: str, seed: int, budgets: list, results: dict, path: str,
                    names: tuple = tuple(DETECTOR_ROWS)) -> None:
     """The exact row and every (budget, row of ``names``) not yet in ``results`` for one model and split."""
@@ -94,10 +104,7 @@ def sweep_detector(model: str, seed: int, budgets: list, results: dict, path: st
             and not _done(results, model=model, seed=seed, budget=b, row=r)]
     if not todo and _done(results, model=model, seed=seed, row="exact"):
         return
-    config, ckpt = MODELS[model]
-    args = argparse.Namespace(config=config, checkpoint=ckpt, data_root=_split(seed), num_images=max(budgets),
-                              work_dir=os.path.join(ROOT, "work_dirs", "sweep", f"{model}_seed{seed}"))
-    runner, base, batches = build(args)
+    runner, base, batches = build(job_arguments(model, seed, max(budgets)))
     exact = next((e for e in results["entries"] if e["model"] == model and e["seed"] == seed and e["row"] == "exact"), None)
     if exact is None:
         r = run_row(runner, batches, base, rows["exact"], {}, 1, None)
