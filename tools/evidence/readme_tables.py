@@ -326,7 +326,19 @@ def sweep_table() -> str:
     return sweep_report.table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
 
 
+def judge_table() -> str:
+    """tools/evidence/judge_report.py: the detection judge against the output judge on held-out splits."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import judge_report
+
+    files = ["judge_heldout.json"] + sorted(os.path.basename(p) for p in judge_report.glob.glob(
+        os.path.join(RESULTS, "main_job_deimv2_vit_seed*.json")) if "seed606" not in p)
+    cmds = [_load(f)["command"] for f in files if os.path.isfile(os.path.join(RESULTS, f))]
+    return judge_report.table(RESULTS) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "judge": judge_table,
     "headline": headline_table,
     "sweep": sweep_table,
     "sequence": sequence_table,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 import time
 
@@ -159,7 +160,7 @@ def main(argv=None) -> dict:
 
     results, t0 = _load(a.results), time.time()
     args = [os.path.relpath(x, ROOT) if os.path.isabs(x) and x.startswith(ROOT) else x for x in (argv or sys.argv[1:])]
-    results.update(command="python tools/evidence/sweep_defaults.py " + " ".join(args),
+    results.update(command="python tools/evidence/sweep_defaults.py " + shlex.join(args),
                    split=SPLIT, rows={r: {**DETECTOR_ROWS, **EXTRA_ROWS}[r] for r in a.rows})
     for seed in a.seeds:
         if a.sequence_budgets:
