@@ -200,10 +200,11 @@ def test_main_job_rows_that_differ_in_share_calibrate_once(synthetic_data, tmp_p
     cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=4, steps=3)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
-    run = lambda rows, d: main_job.main(["--config", str(cfg_path), "--checkpoint", "none",  # noqa: E731
-                                         "--work-dir", str(tmp_path / d), "--rows", *rows])
+    run = lambda rows, d, *more: main_job.main(["--config", str(cfg_path), "--checkpoint", "none",  # noqa: E731
+                                                "--work-dir", str(tmp_path / d), "--rows", *rows, *more])
     both = run(["ours:greedy@83%", "exact", "ours:greedy"], "both")
-    alone = run(["ours:greedy@83%"], "alone")
+    alone = run(["ours:greedy@83%"], "alone", "--no-signal")  # the headline's flag: no signal, the same figures
+    assert both["signal"] and not alone["signal"] and alone["metrics"]["ours:greedy@83%"]["weakest_signal"] is None
     assert list(both["metrics"])[:3] == ["exact", "ours:greedy", "ours:greedy@83%"]  # ROWS order
     shared, own = both["metrics"]["ours:greedy@83%"], alone["metrics"]["ours:greedy@83%"]
     assert shared["linear"] == own["linear"] == "5/6" and both["metrics"]["ours:greedy"]["linear"] == "4/6"

@@ -62,3 +62,22 @@ def test_the_sweep_gives_the_main_job_every_argument_its_build_reads(monkeypatch
     read = set(re.findall(r"\ba\.(\w+)", inspect.getsource(main_job.build)))
     assert read and all(hasattr(a, name) for name in read), sorted(n for n in read if not hasattr(a, n))
     assert a.num_images == 32 and a.data_root.endswith("seed707") and a.input_size is None
+
+
+def _judge_results(tmp_path, detections_kept: float):
+    entries = [{"model": "rtdetr", "seed": 7, "budget": None, "row": "exact", "bbox_mAP": 0.9, "kept": 1.0}]
+    for row, kept in (("ours", 0.95), ("ours(judge=detections)", detections_kept)):
+        entries.append({"model": "rtdetr", "seed": 7, "budget": 8, "row": row, "kept": kept, "configuration": "x"})
+    (tmp_path / "judge_heldout.json").write_text(json.dumps({"entries": entries, "command": "c"}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("detections_kept, met", [(0.96, True), (0.95, False), (0.94, False)])
+def test_the_judge_rule_needs_no_loss_beyond_the_noise_and_a_mean_gain(tmp_path, detections_kept, met):
+    """docs/results.md#judge: adopted only if no cell loses by more than the noise (RT-DETR: 0.3
+    points) and the mean difference is positive."""
+    import judge_report
+
+    rows = judge_report.cells(_judge_results(tmp_path, detections_kept))
+    assert [(r["outputs"], r["detections"], r["share"]) for r in rows] == [(0.95, detections_kept, "67%")]
+    assert ("Rule met" in judge_report.verdict(rows)) is met

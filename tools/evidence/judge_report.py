@@ -88,5 +88,15 @@ def table(results: str = RESULTS) -> str:
     return "\n".join(lines) + "\n\n" + verdict(rows)
 
 
+def main(argv=None) -> str:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=RESULTS, help="folder of the result files (default: results/)")
+    out = table(p.parse_args(argv).results)
+    print(out)
+    return out
+
+
 if __name__ == "__main__":
-    print(table())
+    main()

@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
                                                   "it: e.g. a RoPE backbone), with a --data-root generated at that size")
     p.add_argument("--timing-reps", type=int, default=20,
                    help="forwards timed per row for the speed-up column (best of N; default 20)")
+    p.add_argument("--no-signal", action="store_true",
+                   help="skip the signal column (one forward per candidate per calibration image; the headline skips it)")
     p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
     p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
     return p
@@ -185,6 +187,7 @@ def build(a: argparse.Namespace):
         raise SystemExit(f"error: {e}") from None
     if a.num_images:
         base.num_images = a.num_images
+    base.signal = base.signal and not a.no_signal
     drop_linearize_hook(cfg)
     cfg.load_from = None  # only --checkpoint ('none': the init weights)
     cfg.work_dir = a.work_dir

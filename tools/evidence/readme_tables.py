@@ -362,6 +362,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "family_speed:detr_r50": lambda: family_speed_table("detr_r50"),
     "main:deimv2_vit": lambda: main_job_table("deimv2_vit"),
     "main:deimv2_vit_seed606": lambda: main_job_table("deimv2_vit_seed606"),
+    "main:deimv2_vit_736": lambda: main_job_table("deimv2_vit_736"),
     "choices:deimv2_vit": lambda: choices_table("deimv2_vit"),
     "example_hf_vit": example_output,
 }
