@@ -320,21 +320,21 @@ def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, correc
     (ties keep the plain fit) and, with ``target``, its fidelity loss is still within the target.
     The compensated corrections join ``corrections`` under ``<rule>+compensation``; the
     compensated fits go to ``fits[layer]["compensated"]`` (``docs/method.md#compensation``)."""
-    mse = run.judge
+    judge = run.judge
     compensated = replace(chosen, compensated=True)
     key = compensated.corrections_key
-    before = on_every_image(halves, mse, corrections[chosen.rule], chosen.rule, chosen.layers).loss
+    before = on_every_image(halves, judge, corrections[chosen.rule], chosen.rule, chosen.layers).loss
     comp_fits, comp = _compensate_layers(run, chosen, targets)
     corrections[key] = {**corrections[chosen.rule], **comp}
-    after = on_every_image(halves, mse, corrections[key], key, chosen.layers).loss
+    after = on_every_image(halves, judge, corrections[key], key, chosen.layers).loss
     keep = run.cfg.compensate == "always" or after < before
-    info = {"crossfit_distortion": {"plain": before, "compensated": after}, "measure": mse.name}
+    info = {"crossfit_distortion": {"plain": before, "compensated": after}, "measure": judge.name}
     if keep and run.cfg.target is not None and run.cfg.compensate == "auto":
         info["target_loss"] = on_every_image(halves, fidelity, corrections[key], key, chosen.layers).loss
         keep = info["target_loss"] <= float(run.cfg.target)  # re-judged: dropped if it breaks the budget
     for n in chosen.layers:
         fits[n]["compensated"] = comp_fits[n]
-    run.log(f"[latte] error compensation: cross-fitted {mse.name} {before:.4e} -> {after:.4e}: "
+    run.log(f"[latte] error compensation: cross-fitted {judge.name} {before:.4e} -> {after:.4e}: "
             f"{'kept' if keep else 'not kept'}")
     return (compensated if keep else chosen), {**info, "kept": keep}
 

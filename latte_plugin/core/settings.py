@@ -27,7 +27,7 @@ SELECTIONS = ("score", "greedy", "backward", "auto")
 #: ``always`` even if they do, ``never`` (an uncalibrated model is then an error).
 CALIBRATE = ("auto", "always", "never")
 #: Error compensation after the selection: ``auto`` keeps it only where it lowers the
-#: cross-fitted output error.
+#: judge's cross-fitted loss (``judge``).
 COMPENSATE = ("auto", "always", "never")
 #: What judges whole configurations and the compensation: the raw outputs, the detections, or
 #: ``auto`` (the detections where the adapter runs the detector's post-processing).
@@ -83,7 +83,7 @@ class LatteConfig:
     sequential: bool = _opt(False, "fit layer l on inputs from the model with the layers before it already linear")
     compensate: str = _opt("auto", "error compensation after the selection: refit each linear layer's output "
                                    "correction on inputs from the hybrid against the exact model's outputs; auto "
-                                   "keeps it only if its cross-fitted output error is lower", COMPENSATE)
+                                   "keeps it only if the judge's cross-fitted loss is lower", COMPENSATE)
     selection: str = _opt("auto", "greedy (add the layer that hurts the final output least), backward (start "
                                   "all-linear, restore the most harmful), score (the paper's per-layer score), or "
                                   "auto (compare them, each with every correction rule, end to end by cross-fitting; "
