@@ -166,7 +166,7 @@ def test_a_compensation_that_breaks_the_target_is_dropped(monkeypatch, target_lo
         return Verdict(0.5 if key.endswith("+compensation") else 1.0, torch.zeros(1))
 
     monkeypatch.setattr(flow, "on_every_image", verdict)
-    monkeypatch.setattr(flow, "_compensate_layers", lambda run, chosen, targets: ({"a": {}}, {"a": "compensated"}))
+    monkeypatch.setattr(flow, "compensate_layers", lambda run, chosen, targets: ({"a": {}}, {"a": "compensated"}))
 
     class Fidelity:
         name = "fidelity"

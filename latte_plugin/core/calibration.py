@@ -20,7 +20,7 @@ from torch import Tensor
 from . import kernels
 from .layer import LatteParams
 
-__all__ = ["no_reduce", "RecordedItem", "LayerRecorder", "share_items", "image_generator", "fit_layer", "fit_correction", "FitResult",
+__all__ = ["no_reduce", "RecordedItem", "LayerRecorder", "RecordingDone", "share_items", "image_generator", "fit_layer", "fit_correction", "FitResult",
            "reconstruction_error", "AllReduce", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK",
            "FittedCorrection", "FoldSums", "rule_candidates", "fit_rule", "cv_choice", "correction_candidates", "partition", "assign_folds", "apply_correction", "set_correction",
            "item_position", "KEY_STRIDE", "CROSS_FIT_FOLDS"]
@@ -67,6 +67,11 @@ def image_generator(seed: int, key: int) -> torch.Generator:
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(key) * 7919 + 17) % (2**63 - 1))
 
 
+class RecordingDone(Exception):
+    """Raised by a :class:`LayerRecorder` with ``stop_after`` once it has its batch: the caller
+    of the forward catches it and skips the rest of the model."""
+
+
 @dataclass
 class LayerRecorder:
     """Bounded record of a layer's inputs and exact outputs.
@@ -93,6 +98,13 @@ class LayerRecorder:
     seen: int = 0
     #: global position of the batch about to run (set by the flow); ``None``: arrival order.
     batch_key: Optional[int] = None
+    #: raise :class:`RecordingDone` once the batch is recorded (the flow sets it for a layer
+    #: known to run once per forward: the rest of the forward cannot change this record)
+    stop_after: bool = False
+    calls: int = 0
+    #: called again within one forward (the same ``batch_key``): such a layer cannot stop early
+    repeated: bool = False
+    _last_key: Optional[int] = field(default=None, repr=False)
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], out: Tensor,
@@ -108,6 +120,8 @@ class LayerRecorder:
                     f"non-finite values (NaN/Inf) in the recorded {name} of layer '{self.name}'; "
                     "check the input images and the checkpoint"
                 )
+        self.repeated |= self.calls > 0 and self.batch_key is not None and self.batch_key == self._last_key
+        self.calls, self._last_key = self.calls + 1, self.batch_key
         if self.batch_key is not None and q.shape[0] > KEY_STRIDE:
             raise ValueError(f"layer '{self.name}': a calibration batch of {q.shape[0]} items, more than "
                              f"{KEY_STRIDE} (items are keyed batch position * {KEY_STRIDE} + index); "
@@ -117,6 +131,8 @@ class LayerRecorder:
             key = self.seen if self.batch_key is None else int(self.batch_key) * KEY_STRIDE + b
             self.seen += 1
             self._add(self._item(q, k, v, key_padding_mask, out, attn_mask, b, key))
+        if self.stop_after:
+            raise RecordingDone(self.name)
 
     def _item(self, q, k, v, key_padding_mask, out, attn_mask, b: int, key: int) -> RecordedItem:
         gen = image_generator(self.seed, key)

@@ -8,17 +8,18 @@ apply -> report (``docs/architecture.md``, ``docs/method.md``). An adapter
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .calibration import CORRECTION_RULES, AllReduce, LayerRecorder, fit_correction, fit_layer, no_reduce, set_correction, share_items
+from .calibration import CORRECTION_RULES, AllReduce, fit_layer, no_reduce, set_correction
 from .choice import Configuration, choose_configuration, configuration_name, target_count
 from .fidelity import RawDistortion
 from .judge import (ROLES, CalibrationSplit, CrossFitJudge, HalfSearch, across_halves, configuration_judge, fold_assignment,
                     measured, merged, on_every_image, output_distortion, split_calibration)
+from .recording import compensate_layers, record_layers
 from .layer import LatteParams, find_latte_layers, layer_states, restore_layer_states, set_modes
 from .report import build_report, fit_entry
 from .selection import candidate_sets, num_linear_layers, score_stats, scores, select_by_score, summed_stats, trace_up_to
@@ -135,6 +136,8 @@ class _Run:
     progress: Callable[[Iterable, int, str], Iterable]
     shard: tuple[int, int]
     judge: Any = None  # what judges whole configurations and the compensation (configuration_judge)
+    runs_once: set = field(default_factory=set)  # layers seen to run once per forward (recording.record_layers)
+    compensated: dict = field(default_factory=dict)  # compensation refits, shared by the shares (compensate_layers)
 
     @property
     def rules(self) -> tuple:
@@ -179,7 +182,7 @@ def _calibrate_layers(run: _Run) -> tuple[dict, dict, Optional[dict]]:
     targets = None
     names = list(run.layers)
     for group in ([[n] for n in names] if run.cfg.sequential else [names]):
-        recs = _record_layers(run, group, f"recording {group[0]}" if run.cfg.sequential else "recording")
+        recs = record_layers(run, group, f"recording {group[0]}" if run.cfg.sequential else "recording")
         group_fits, group_corrections = _fit_layers(run, group, recs)
         fits.update(group_fits)
         for rule in run.rules:
@@ -189,33 +192,6 @@ def _calibrate_layers(run: _Run) -> tuple[dict, dict, Optional[dict]]:
         else:
             targets = _exact_targets(recs)
     return fits, corrections, targets
-
-
-def _record_layers(run: _Run, group: list[str], desc: str) -> dict[str, dict[str, LayerRecorder]]:
-    """Runs every role's batches once with recorders on ``group``: ``{role: {layer: recorder}}``.
-
-    Each image is keyed by its global position, so sampling and the ``max_items`` budget
-    (applied across ranks) do not depend on the number of processes.
-    """
-    cfg, layers = run.cfg, run.layers
-    recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group} for role in ROLES}
-    try:
-        for role in ROLES:
-            part = getattr(run.split, role)
-            for n in group:
-                layers[n].recorder = recs[role][n]
-            label = desc if role == "fit" else f"{desc} ({role} images)"
-            for pos, batch in run.progress(part, len(part), label):
-                for n in group:
-                    recs[role][n].batch_key = pos
-                run.forward(batch)
-    finally:
-        for n in group:
-            layers[n].recorder = None
-    for role in ROLES:
-        for rec in recs[role].values():
-            share_items(rec, run.reduce, run.shard)
-    return recs
 
 
 def _fit_layers(run: _Run, group: list[str], recs: dict) -> tuple[dict, dict]:
@@ -315,7 +291,7 @@ def _final_set(run: _Run, chosen: Configuration, halves: list, corrections: dict
 
 def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, corrections: dict, halves: list,
                          fidelity: Any, fits: dict) -> tuple[Configuration, dict]:
-    """Compensates the chosen layers (:func:`_compensate_layers`) and, with ``compensate='auto'``,
+    """Compensates the chosen layers (:func:`~.recording.compensate_layers`) and, with ``compensate='auto'``,
     keeps it only if the hybrid's cross-fitted ``run.judge`` loss on every fit and choice image is lower
     (ties keep the plain fit) and, with ``target``, its fidelity loss is still within the target.
     The compensated corrections join ``corrections`` under ``<rule>+compensation``; the
@@ -324,7 +300,7 @@ def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, correc
     compensated = replace(chosen, compensated=True)
     key = compensated.corrections_key
     before = on_every_image(halves, judge, corrections[chosen.rule], chosen.rule, chosen.layers).loss
-    comp_fits, comp = _compensate_layers(run, chosen, targets)
+    comp_fits, comp = compensate_layers(run, chosen, targets)
     corrections[key] = {**corrections[chosen.rule], **comp}
     after = on_every_image(halves, judge, corrections[key], key, chosen.layers).loss
     keep = run.cfg.compensate == "always" or after < before
@@ -337,28 +313,6 @@ def _choose_compensation(run: _Run, chosen: Configuration, targets: dict, correc
     run.log(f"[latte] error compensation: cross-fitted {judge.name} {before:.4e} -> {after:.4e}: "
             f"{'kept' if keep else 'not kept'}")
     return (compensated if keep else chosen), {**info, "kept": keep}
-
-
-def _compensate_layers(run: _Run, chosen: Configuration, targets: dict) -> tuple[dict, dict]:
-    """Error compensation: in model order, each chosen layer is recorded with the chosen layers
-    before it already linear (and compensated), and its output correction (the chosen rule)
-    is refitted to map those inputs to the *exact* model's attention output there (kernel
-    scalars kept).
-
-    Returns ``({layer: report entry}, {layer: FittedCorrection})``.
-    """
-    fits, corrections = {}, {}
-    set_modes(run.layers, [])
-    for n in chosen.layers:
-        recs = _record_layers(run, [n], f"compensating {n}")
-        for role in ROLES:
-            for it in recs[role][n].items:
-                it.target = targets[n][it.key]
-        res = fit_correction(run.layers[n], recs["fit"][n].items, chosen.rule, no_reduce,
-                             recs["choose"][n].items, recs["report"][n].items, tuple(run.cfg.refit_reg), run.fold_of)
-        fits[n], corrections[n] = fit_entry(res), replace(res.rules[chosen.rule], origin="compensation")
-        run.layers[n].mode = "linear"
-    return fits, corrections
 
 
 def _install_corrections(run: _Run, chosen: Configuration, corrections: dict, fits: dict) -> None:
