@@ -337,8 +337,28 @@ def judge_table() -> str:
     return judge_report.table(RESULTS) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
 
 
+def allocator_table() -> str:
+    """benchmarks/allocator.py: tools/cpu_env.sh's allocator settings against glibc's defaults."""
+    res = _load("allocator_cpu.json")
+    default, tuned = res["settings"]
+    rows = [[r["model"], str(r["batch_size"]), f"{1000 * r['median'][default]['seconds_per_image']:.0f}",
+             f"{1000 * r['median'][tuned]['seconds_per_image']:.0f}", f"{r['speedup']:.2f}x",
+             f"{1000 * r['median'][default]['system_seconds_per_image']:.0f} / "
+             f"{1000 * r['median'][tuned]['system_seconds_per_image']:.0f}",
+             f"{r['median'][default]['peak_rss_gib']:.2f} / {r['median'][tuned]['peak_rss_gib']:.2f}",
+             "yes" if r["same_outputs"] else "**no**"] for r in res["rows"]]
+    head = ["model", "batch", "ms/image, glibc default", f"ms/image, `{tuned}`", "speed-up", "kernel CPU ms/image",
+            "peak RSS GiB", "same outputs"]
+    return (_table(head, rows) + f"
+
+Median of {len(res['rows'][0]['runs'][default])} fresh processes per setting, "
+            f"interleaved; {res['images']} timed images each; {res['threads']} threads; {res['date']}; "
+            f"`{res['command']}`.")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "judge": judge_table,
+    "allocator": allocator_table,
     "headline": headline_table,
     "sweep": sweep_table,
     "sequence": sequence_table,
