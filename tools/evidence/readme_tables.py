@@ -349,9 +349,7 @@ def allocator_table() -> str:
              "yes" if r["same_outputs"] else "**no**"] for r in res["rows"]]
     head = ["model", "batch", "ms/image, glibc default", f"ms/image, `{tuned}`", "speed-up", "kernel CPU ms/image",
             "peak RSS GiB", "same outputs"]
-    return (_table(head, rows) + f"
-
-Median of {len(res['rows'][0]['runs'][default])} fresh processes per setting, "
+    return (_table(head, rows) + f"\n\nMedian of {len(res['rows'][0]['runs'][default])} fresh processes per setting, "
             f"interleaved; {res['images']} timed images each; {res['threads']} threads; {res['date']}; "
             f"`{res['command']}`.")
 
