@@ -97,6 +97,18 @@ def test_a_layer_that_runs_twice_per_forward_is_recorded_to_the_end():
     assert len(head_calls) == 8
 
 
+@torch.no_grad()
+def test_a_single_candidate_is_learnt_from_its_own_full_recording():
+    model = ToyEncoder(depth=2).eval()
+    swap_mha(model, ["layers.1.attn"])
+    run = _run(model, LatteConfig(candidates=["layers.1.attn"]))
+    recording.record_layers(run, ["layers.1.attn"], "recording")
+    assert run.runs_once == {"layers.1.attn"}
+    head_calls = _count_calls(model.head)
+    recording.record_layers(run, ["layers.1.attn"], "one layer")
+    assert len(head_calls) == 0
+
+
 def test_a_stopping_recorder_raises_after_recording_its_batch():
     rec = LayerRecorder("l", stop_after=True)
     q = torch.randn(1, 2, 4, 8)

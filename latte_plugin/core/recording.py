@@ -3,7 +3,7 @@ time for error compensation (``docs/method.md#compensation``).
 
 Two savings that leave every figure as it was (``docs/architecture.md#recording``):
 
-* A one-layer recording of a layer that the first, all-layer recording saw run exactly once
+* A one-layer recording of a layer that an earlier full recording saw run exactly once
   per forward stops the forward as soon as that layer has its batch
   (:class:`~latte_plugin.core.calibration.RecordingDone`): nothing after it can change what
   it recorded.
@@ -34,9 +34,9 @@ def record_layers(run: "_Run", group: list[str], desc: str) -> dict[str, dict[st
     """Runs every role's batches once with recorders on ``group``: ``{role: {layer: recorder}}``.
 
     Each image is keyed by its global position, so sampling and the ``max_items`` budget
-    (applied across ranks) do not depend on the number of processes. An all-layer recording
-    adds the layers that ran once per forward to ``run.runs_once``; a one-layer recording of
-    such a layer stops each forward after it.
+    (applied across ranks) do not depend on the number of processes. A recording run to the
+    end adds the layers that ran once per forward to ``run.runs_once``; a one-layer recording
+    of such a layer stops each forward after it.
     """
     cfg, layers = run.cfg, run.layers
     recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group} for role in ROLES}
@@ -63,7 +63,7 @@ def record_layers(run: "_Run", group: list[str], desc: str) -> dict[str, dict[st
     for role in ROLES:
         for rec in recs[role].values():
             share_items(rec, run.reduce, run.shard)
-    if len(group) > 1:
+    if not stop:  # how often a layer runs per forward does not depend on the modes: any full recording tells
         run.runs_once |= runs_once(recs, forwards, run.reduce)
     return recs
 
