@@ -9,6 +9,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["latte_plugin", "latte_plugin.*"]),
+    # read at run time through importlib.resources (latte_plugin/resources/__init__.py)
+    package_data={"latte_plugin.resources": ["architectures/*.json"]},
     install_requires=["torch>=2.1", "numpy", "safetensors"],
     extras_require={
         # mmcv 2.1.0 must be compiled with ops from source: see tools/setup_env.sh.

@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
               "settings": list(SETTINGS), "threads": 2, "images": a.images, "rows": rows,
               "date": time.strftime("%Y-%m-%d")}
     if a.json:
-        from latte_plugin.core.io import atomic_write_json
+        from latte_plugin.storage import atomic_write_json
 
         atomic_write_json(result, a.json)
     return result

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from latte_plugin.core import kernels as K  # noqa: E402
-from latte_plugin.core.flops import exact_attention_flops, linear_attention_flops  # noqa: E402
+from latte_plugin import ops as K
+from latte_plugin.ops.flops import exact_attention_flops, linear_attention_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

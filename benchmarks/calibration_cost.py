@@ -9,7 +9,7 @@ DETR-R50: ``configs/mmdet/detr_r50_latte_coco.py`` on generated 800x1333 images 
 pipeline keeps them at 800x1333: 25x42 = 1050 encoder tokens). RT-DETR-R50vd:
 ``configs/mmdet/rtdetr_r50vd_latte_coco.py`` with an HF R50vd directory, at 640x640.
 DEIMv2-S and D-FINE-S: their ``configs/mmdet/hf_*_latte_coco.py`` with a ``save_pretrained``
-directory of the architecture (``configs/hf/coco``), at 640x640 (DEIMv2-S: 1,600 ViT tokens).
+directory of the architecture (``latte_plugin/resources/architectures``), at 640x640 (DEIMv2-S: 1,600 ViT tokens).
 Peak memory is the child process's peak resident set size (``getrusage`` ``ru_maxrss``).
 Rows of models not run this time are kept from ``--json``.
 """
@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
     ran = {r["model"] for r in rows}
     kept = [r for r in _previous_rows(a.json) if r["model"] not in ran]
     out = {"rows": kept + rows, "machine": f"{os.cpu_count()} CPU cores"}
-    from latte_plugin.core.io import atomic_write_json  # (imports torch: only after the measurements)
+    from latte_plugin.storage import atomic_write_json
 
     atomic_write_json(out, a.json)
     return out

@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
            "threads": os.environ.get("OMP_NUM_THREADS", "default")}
     if a.json:
         sys.path.insert(0, ROOT)
-        from latte_plugin.core.io import atomic_write_json
+        from latte_plugin.storage import atomic_write_json
 
         atomic_write_json(out, a.json)
     return out

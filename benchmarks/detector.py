@@ -28,9 +28,9 @@ def detr_r50_with_latte():
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
 
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
 
-    from latte_plugin.core.layer import find_latte_layers
+    from latte_plugin.nn.install import find_latte_layers
     from latte_plugin.mmdet import install_latte_cores
 
     register_all_modules()
@@ -57,8 +57,8 @@ def main(argv=None) -> list[dict]:
 
     from mmdet.structures import DetDataSample
 
-    from latte_plugin.core.flops import layer_flops
-    from latte_plugin.core.layer import set_modes
+    from latte_plugin.ops.flops import layer_flops
+    from latte_plugin.nn.install import set_modes
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     from main_job_rows import encoder_latency
 

@@ -49,8 +49,8 @@ def run_point(family: str, side: int, setting: str, reps: int, threads: int, hf_
     import torch
 
     sys.path.insert(0, ROOT)
-    from latte_plugin.core.layer import find_latte_layers, set_modes
-    from latte_plugin.core.selection import num_linear_layers
+    from latte_plugin.nn.install import find_latte_layers, set_modes
+    from latte_plugin.calibration.config import num_linear_layers
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
            "machine": f"{os.cpu_count()} CPU cores"}
     if a.json:
         sys.path.insert(0, ROOT)
-        from latte_plugin.core.io import atomic_write_json
+        from latte_plugin.storage import atomic_write_json
 
         atomic_write_json(out, a.json)
     if a.plot:

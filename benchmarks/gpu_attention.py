@@ -22,8 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from latte_plugin.core import kernels as K  # noqa: E402
-from latte_plugin.core import triton_latte as T  # noqa: E402
+from latte_plugin import ops as K
+from latte_plugin.ops import triton_latte as T
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import DTYPES, peak_mem as peak  # noqa: E402  (the CPU benchmark's helpers, shared)

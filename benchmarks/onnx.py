@@ -28,7 +28,7 @@ from torch import nn
 # this script's folder (sys.path[0]) would shadow the onnx package with this file: the repository root instead
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from latte_plugin.core.layer import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.nn.install import find_latte_layers, set_modes
 from latte_plugin.export import export_onnx, session_for  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def main(argv=None) -> list[dict]:
         rows = attention_sweep(a.ns, a.reps, a.threads, tmp) + (detr_r50(a.sizes, a.reps, a.threads, tmp)
                                                                   if a.sizes else [])
     if a.json:
-        from latte_plugin.core.io import atomic_write_json
+        from latte_plugin.storage import atomic_write_json
 
         atomic_write_json({"onnxruntime": onnxruntime.__version__, "threads": a.threads, "reps": a.reps,
                            "rows": rows}, a.json)

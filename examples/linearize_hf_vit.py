@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import latte_plugin  # noqa: E402
-from latte_plugin.core import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.nn.install import find_latte_layers, set_modes
 
 
 def images(n: int, seed: int) -> torch.Tensor:

@@ -27,11 +27,13 @@ import torch
 from torch import nn
 
 from .console import progress as console_progress
-from .core.fidelity import DetectionDisagreement
-from .core.settings import LatteConfig, apply_inference_settings, needs_calibration
-from .core.flow import calibrate_model_ratios
-from .core.layer import match_candidates
-from .core.mha import swap_mha
+from .calibration.measures import DetectionDisagreement
+from .calibration.config import LatteConfig
+from .calibration.state import apply_inference_settings, needs_calibration
+from .calibration.context import Host
+from .calibration.flow import calibrate_model_ratios
+from .nn.install import match_candidates, set_backend
+from .nn.mha import swap_mha
 
 __all__ = ["Adapter", "TorchAdapter", "calibrate", "calibrate_ratios", "ensure_calibrated", "take_batches", "swap_attention", "default_forward",
            "format_layer_table"]
@@ -160,7 +162,7 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
     """Installs LATTE in the candidates (idempotent), calibrates on ``data`` and selects; leaves the model hybrid.
 
     The caller decides *whether* to calibrate (``calibrate=`` and
-    :func:`~latte_plugin.core.settings.needs_calibration`); this function always does.
+    :func:`~latte_plugin.calibration.state.needs_calibration`); this function always does.
 
     Args:
         adapter: the framework's :class:`Adapter`.
@@ -169,7 +171,7 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
         cfg: the LATTE settings.
 
     Returns:
-        The core report (see :func:`latte_plugin.core.flow.calibrate_model`).
+        The core report (see :func:`latte_plugin.calibration.flow.calibrate_model`).
     """
     return next(calibrate_ratios(adapter, model, data, cfg, None))
 
@@ -177,11 +179,10 @@ def calibrate(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConf
 def calibrate_ratios(adapter: Adapter, model: nn.Module, data: Iterable, cfg: LatteConfig,
                      ratios: Optional[Sequence[float]]) -> Iterator[dict]:
     """:func:`calibrate` for several linear shares in one calibration
-    (:func:`~latte_plugin.core.flow.calibrate_model_ratios`): yields each share's report with the
+    (:func:`~latte_plugin.calibration.flow.calibrate_model_ratios`): yields each share's report with the
     model left in that share's hybrid until the next is asked for. ``ratios=None``: ``cfg``'s own."""
-    cfg.validate()
     bare = adapter.unwrap(model)
-    swap_attention(bare, cfg.candidates, cfg.variant)
+    swap_attention(bare, cfg.candidates, cfg.variant, cfg.backend)
     rank, world = adapter.world()
     batches, positions = take_batches(data, cfg.num_images, (rank, world), adapter)
     total = adapter.all_reduce_sum(torch.tensor([float(len(batches))], dtype=torch.float64))
@@ -189,10 +190,9 @@ def calibrate_ratios(adapter: Adapter, model: nn.Module, data: Iterable, cfg: La
         raise ValueError(f"empty calibration set: the calibration data yielded no images on any of the {world} "
                          f"processes (asked for {cfg.num_images}); {adapter.data_hint}")
     detect = adapter.detect(bare)
-    for report in calibrate_model_ratios(
-            bare, batches, adapter.forward(bare), cfg, ratios, all_reduce=adapter.all_reduce_sum, log=adapter.log,
-            progress=adapter.progress, shard=(rank, world), positions=positions,
-            fidelity=DetectionDisagreement(detect) if detect is not None else None):
+    host = Host(adapter.forward(bare), adapter.all_reduce_sum, adapter.log, adapter.progress, (rank, world), positions,
+                DetectionDisagreement(detect) if detect is not None else None)
+    for report in calibrate_model_ratios(bare, batches, host, cfg, ratios):
         adapter.log("[latte] per-layer calibration:\n" + format_layer_table(report))
         yield report
 
@@ -202,7 +202,7 @@ def ensure_calibrated(adapter: Adapter, model: nn.Module, cfg: LatteConfig,
     """The one calibrate-or-not decision every entry point takes when a model is built or loaded.
 
     Installs LATTE in the candidates (once: idempotent), then either calibrates (when
-    :func:`~latte_plugin.core.settings.needs_calibration` says so under ``cfg.calibrate``) or
+    :func:`~latte_plugin.calibration.state.needs_calibration` says so under ``cfg.calibrate``) or
     applies the inference-time settings (``mode``, ``threshold``) to the loaded calibration.
 
     Args:
@@ -213,7 +213,7 @@ def ensure_calibrated(adapter: Adapter, model: nn.Module, cfg: LatteConfig,
         The calibration report, or ``None`` when a loaded calibration was kept.
     """
     bare = adapter.unwrap(model)
-    swap_attention(bare, cfg.candidates, cfg.variant)
+    swap_attention(bare, cfg.candidates, cfg.variant, cfg.backend)
     if not needs_calibration(bare, cfg.calibrate):
         apply_inference_settings(bare, cfg, adapter.log)
         return None
@@ -236,12 +236,14 @@ def _is_mha(mod: nn.Module) -> bool:
     return isinstance(mod, nn.MultiheadAttention) or isinstance(getattr(mod, "attn", None), nn.MultiheadAttention)
 
 
-def swap_attention(model: nn.Module, patterns: Sequence[str], variant: str = "latte") -> list[str]:
+def swap_attention(model: nn.Module, patterns: Sequence[str], variant: str = "latte",
+                   backend: Optional[str] = None) -> list[str]:
     """Installs a LATTE core in every attention module named by ``patterns`` (idempotent).
 
-    ``nn.MultiheadAttention`` modules are replaced by :class:`~latte_plugin.core.LatteMultiheadAttention`
+    ``nn.MultiheadAttention`` modules are replaced by :class:`~latte_plugin.nn.LatteMultiheadAttention`
     (same parameters); HF attention modules keep their class and get a ``latte`` child.
-    In exact mode the model's outputs are unchanged.
+    In exact mode the model's outputs are unchanged. Every LATTE layer gets the kernel ``backend``
+    (:data:`~latte_plugin.ops.BACKENDS`; ``None``: ``LATTE_KERNEL``, else ``auto``).
 
     ``patterns == ["auto"]``: the layers the model finds itself (``model.latte_candidates()``, the
     transformers detectors' global softmax attention; see :mod:`latte_plugin.hf.discovery`).
@@ -259,6 +261,7 @@ def swap_attention(model: nn.Module, patterns: Sequence[str], variant: str = "la
         swap_mha(model, mha_names, variant)
     for name in (n for n in names if n not in mha_names):
         _install_hf(modules[name], name, variant)
+    set_backend(model, backend)  # resolved once, here: no forward reads the environment
     return names
 
 

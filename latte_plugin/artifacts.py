@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 
 from torch import nn
 
-from .core.io import CKPT_NAME, REPORT_NAME, atomic_write_json, save_calibrated_checkpoint
+from .storage import CKPT_NAME, REPORT_NAME, atomic_write_json, save_calibrated_checkpoint
 from .viz import plot_sensitivity
 
 __all__ = ["write_artifacts"]

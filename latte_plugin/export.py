@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from .core.layer import find_latte_layers
+from .nn.install import find_latte_layers
 
 __all__ = ["export_onnx", "onnx_ops", "run_onnx", "max_abs_diff", "query_matched_diff", "STANDARD_DOMAINS"]
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .adapter import TorchAdapter, default_forward, ensure_calibrated, swap_attention
-from .core.settings import LatteConfig
+from .calibration.config import LatteConfig
 
 __all__ = ["swap_attention", "linearize", "default_forward"]
 
@@ -56,7 +56,7 @@ def linearize(
         forward: runs one batch on the model; default :func:`default_forward`.
         all_reduce: sums a float64 tensor across ranks in place (distributed runs).
         log: receives progress lines. progress: show a progress bar (``rich``).
-        **settings: any other :class:`~latte_plugin.core.LatteConfig` field (``selection``,
+        **settings: any other :class:`~latte_plugin.calibration.LatteConfig` field (``selection``,
             ``steps``, ``correction``, ``holdout``, ``calibrate='auto'|'always'|'never'``, ...).
 
     Returns:

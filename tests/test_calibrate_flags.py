@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from latte_plugin.core.settings import LatteConfig
+from latte_plugin.calibration.config import LatteConfig
 from tests.conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -106,7 +106,7 @@ def test_main_job_refuses_another_shape(bad_checkpoints, cfg_path, tmp_path, kin
 
 def test_the_right_shapes_still_load(cfg_path, tmp_path):
     """The check is not a blanket refusal: the model's own state passes it."""
-    from latte_plugin.core.io import check_checkpoint
+    from latte_plugin.storage import check_checkpoint
     from mmdet.registry import MODELS
     from mmengine.config import Config
 

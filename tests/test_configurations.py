@@ -12,10 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_mha
-from latte_plugin.core.choice import NOISE_Z, choose_configuration, naive_paired_gain, paired_gain
-from latte_plugin.core.fidelity import RawDistortion
-from latte_plugin.core.judge import Verdict, configuration_judge, output_distortion
+from latte_plugin.calibration.config import LatteConfig
+from latte_plugin.calibration.context import Host
+from latte_plugin.calibration.flow import calibrate_model
+from latte_plugin.nn.install import find_latte_layers
+from latte_plugin.nn.mha import swap_mha
+from latte_plugin.calibration.select import NOISE_Z, choose_configuration, naive_paired_gain, paired_gain
+from latte_plugin.calibration.measures import RawDistortion
+from latte_plugin.calibration.judge import Verdict, configuration_judge, output_distortion
 from tests.toy import ToyEncoder, toy_batches
 
 
@@ -81,7 +85,7 @@ def test_the_papers_protocol_is_kept_when_it_is_the_better_configuration(monkeyp
     made to return the score's set with layer 0 swapped in: the paper's score set is then the
     better configuration end to end. It is the one applied, and it is better on inputs no
     step of the calibration saw."""
-    import latte_plugin.core.flow as flow
+    import latte_plugin.calibration.flow as flow
 
     real = flow.candidate_sets
 
@@ -157,8 +161,8 @@ def test_a_near_tie_on_the_toy_encoder_keeps_the_reference():
 def test_a_compensation_that_breaks_the_target_is_dropped(monkeypatch, target_loss, kept):
     """compensate='auto' with target=0.05: a compensation that lowers the cross-fitted output
     error is kept only if the compensated model's fidelity loss is still within the target."""
-    import latte_plugin.core.flow as flow
-    from latte_plugin.core.choice import Configuration
+    import latte_plugin.calibration.flow as flow
+    from latte_plugin.calibration.select import Configuration
 
     def verdict(halves, measure, corrections, key, layers):
         if measure.name == "fidelity":
@@ -175,15 +179,18 @@ def test_a_compensation_that_breaks_the_target_is_dropped(monkeypatch, target_lo
         cfg = LatteConfig(target=0.05)
         forward = staticmethod(lambda b: b)
         judge = RawDistortion(lambda b: b, relative=False)
+        fidelity = Fidelity()
 
         @staticmethod
         def log(line):
             pass
 
+    from latte_plugin.calibration.corrections import CorrectionTable
+
     chosen = Configuration("greedy", "auto", ["a"], k=1)
-    corrections = {"auto": {"a": "plain"}}
-    fits = {"a": {}}
-    out, info = flow._choose_compensation(Run(), chosen, {}, corrections, [], Fidelity(), fits)
+    fitted = flow._Fitted({"a": {}}, CorrectionTable({"auto": {"a": "plain"}}), {}, [], [1])
+    out, table, comp_fits, info = flow._choose_compensation(Run(), chosen, fitted)
+    assert dict(table["auto+compensation"]) == {"a": "compensated"} and "auto+compensation" not in fitted.corrections
     assert info["crossfit_distortion"] == {"plain": 1.0, "compensated": 0.5} and info["target_loss"] == target_loss
     assert info["kept"] is kept and out.compensated is kept and out.layers == ["a"]
 
@@ -226,7 +233,7 @@ def test_several_ratios_in_one_calibration_equal_separate_calibrations():
     linear shares: each share's report, calibrated state and outputs equal a separate
     ``calibrate_model`` with that ratio (package defaults otherwise: every selection and rule
     compared, compensation judged)."""
-    from latte_plugin.core import calibrate_model_ratios
+    from latte_plugin.calibration.flow import calibrate_model_ratios
 
     ratios = (0.5, 0.83)
     probe = toy_batches(n=2, seed=7)
@@ -245,7 +252,7 @@ def test_several_ratios_in_one_calibration_equal_separate_calibrations():
         rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b), settings(ratio=r), log=lambda s: None)
         alone.append((rep, model.state_dict(), [model(x) for x in probe]))
     model = fresh()
-    shared = calibrate_model_ratios(model, toy_batches(n=16), lambda b: model(b), settings(), ratios, log=lambda s: None)
+    shared = calibrate_model_ratios(model, toy_batches(n=16), Host(lambda b: model(b), log=lambda s: None), settings(), ratios)
     for (rep, state, outs), got in zip(alone, shared):
         _same(rep, got)
         _same(state, model.state_dict(), "state")
@@ -253,7 +260,7 @@ def test_several_ratios_in_one_calibration_equal_separate_calibrations():
             torch.testing.assert_close(model(x), o, rtol=0, atol=0)
     assert [len(a[0]["linearized"]) for a in alone] == [3, 5]
     with pytest.raises(ValueError, match="target"):
-        next(calibrate_model_ratios(model, toy_batches(n=4), lambda b: model(b), settings(target=0.05), ratios))
+        next(calibrate_model_ratios(model, toy_batches(n=4), Host(lambda b: model(b)), settings(target=0.05), ratios))
 
 
 class _FirstToken(RawDistortion):

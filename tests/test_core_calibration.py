@@ -5,23 +5,27 @@ import math
 import pytest
 import torch
 
-from latte_plugin.core import (LatteConfig, LatteMultiheadAttention, LayerRecorder, calibrate_model,
-                               find_latte_layers, fit_layer, naive_sensitivity_score, num_linear_layers,
-                               select_by_score, set_modes, swap_mha)
-from latte_plugin.core.calibration import REFIT_REGS
-from latte_plugin.core.flops import exact_attention_flops, layer_flops, linear_attention_flops
-from latte_plugin.core.selection import SensitivityStats, backward_select, greedy_select
+from latte_plugin.calibration.config import LatteConfig, num_linear_layers
+from latte_plugin.nn.mha import LatteMultiheadAttention, swap_mha
+from latte_plugin.calibration.record import LayerRecorder
+from latte_plugin.calibration.taps import exact_taps
+from latte_plugin.calibration.flow import calibrate_model
+from latte_plugin.nn.install import find_latte_layers, set_modes
+from latte_plugin.calibration.fit import fit_layer
+from latte_plugin.calibration.select import naive_sensitivity_score, select_by_score
+from latte_plugin.calibration.config import REFIT_REGS
+from latte_plugin.ops.flops import exact_attention_flops, layer_flops, linear_attention_flops
+from latte_plugin.calibration.select import SensitivityStats, backward_select, greedy_select
 from tests.toy import ToyEncoder, toy_batches
 
 
 def _record(model, batches, name):
     layer = find_latte_layers(model)[name]
     rec = LayerRecorder(name, max_items=64, max_queries=32, seed=0)
-    layer.recorder = rec
-    with torch.no_grad():
+    with torch.no_grad(), exact_taps({name: layer}, {name: rec}):
         for b in batches:
             model(b)
-    layer.recorder = None
+    assert not layer.tapped
     return layer, rec
 
 
@@ -46,8 +50,7 @@ def test_recorder_memory_is_bounded():
     assert rec.seen == 60 and len(rec.items) == 60
     rec2 = LayerRecorder("x", max_items=5, max_queries=7)
     layer = find_latte_layers(model)["layers.0.attn"]
-    layer.recorder = rec2
-    with torch.no_grad():
+    with torch.no_grad(), exact_taps({"x": layer}, {"x": rec2}):
         for b in toy_batches(n=20, b=3):
             model(b)
     assert rec2.seen == 60 and len(rec2.items) == 5 and all(it.q.shape[1] == 7 for it in rec2.items)
@@ -151,7 +154,7 @@ def test_exact_mode_is_bit_identical_to_torch_mha():
     kpm = torch.zeros(3, 10, dtype=torch.bool)
     kpm[2, 6:] = True
     assert torch.equal(mha(x, x, x, key_padding_mask=kpm)[0], lat(x, x, x, key_padding_mask=kpm)[0])
-    lat.latte.recorder = lambda *a: None  # our own projection path, exact mode
+    lat.latte.register_forward_hook(lambda *a: None)  # a tap: our own projection path, exact mode
     torch.testing.assert_close(lat(x, x, x, key_padding_mask=kpm)[0], mha(x, x, x, key_padding_mask=kpm)[0],
                                atol=1e-6, rtol=1e-6)
 
@@ -318,7 +321,7 @@ def test_auto_correction_is_chosen_by_cross_fitting_per_layer():
     gets a cross-fitted error; the lowest is applied; the report images give every candidate's
     held-out error, the winner's included. 'none' fits nothing, so its cross-fitted error is
     exactly its plain error on the pool: a check that the folds add up."""
-    from latte_plugin.core.calibration import correction_candidates, reconstruction_error
+    from latte_plugin.calibration.corrections import correction_candidates, reconstruction_error
 
     layer, fit_rec, choose_rec, report_rec = _three_roles()
     res = fit_layer(layer, fit_rec.items, steps=5, correction="auto", choose=choose_rec.items,
@@ -375,8 +378,8 @@ def test_each_folds_correction_is_chosen_and_fitted_without_that_fold():
     """fit_layer(fold_of=..., rules=...): for every rule and fold, the stored correction is the one
     cross-fitting over the *other* folds chooses, fitted from scratch on the other folds' items
     only (nested: no fold's correction was chosen or fitted with that fold in view)."""
-    from latte_plugin.core.calibration import (FoldSums, _normal_sums, _stack_by_shape, assign_folds,
-                                               correction_weights, cv_choice, item_position, rule_candidates)
+    from latte_plugin.calibration.corrections import FoldSums, _normal_sums, assign_folds, correction_weights, cv_choice, rule_candidates
+    from latte_plugin.calibration.record import stack_by_shape as _stack_by_shape, item_position
 
     layer, fit_rec, choose_rec, _ = _three_roles()
     for it in fit_rec.items + choose_rec.items:  # keys as the flow sets them: position * KEY_STRIDE
@@ -407,8 +410,8 @@ def test_each_folds_correction_is_chosen_and_fitted_without_that_fold():
 
 def test_cross_fitted_runs_each_image_with_its_folds_correction():
     """cross_fitted applies fold f's weights while fold f's images run, and restores the full ones."""
-    from latte_plugin.core.calibration import FittedCorrection
-    from latte_plugin.core.judge import cross_fitted
+    from latte_plugin.calibration.corrections import FittedCorrection
+    from latte_plugin.calibration.judge import cross_fitted
 
     model = ToyEncoder().eval()
     swap_mha(model, ["layers.*.attn"])
@@ -488,7 +491,7 @@ def test_error_compensation_refits_against_the_exact_model_and_is_kept_only_if_i
 def test_a_batch_of_more_than_key_stride_items_is_refused_not_collided():
     """Items are keyed ``position * KEY_STRIDE + index``: a larger batch would give two images
     one key; it is refused with the limit in the message."""
-    from latte_plugin.core.calibration import KEY_STRIDE, LayerRecorder
+    from latte_plugin.calibration.record import KEY_STRIDE, LayerRecorder
 
     rec = LayerRecorder("layers.0.attn", max_items=4, max_queries=2)
     rec.batch_key = 3

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from latte_plugin.core import kernels as K
+from latte_plugin import ops as K
 from tests.conftest import qkv
 
 SHAPES = [(1, 1, 1, 1, 4), (2, 4, 37, 37, 16), (3, 2, 5, 64, 8), (1, 8, 128, 96, 32)]
@@ -189,14 +189,18 @@ def test_compiled_fused_path_matches_eager_and_reference(monkeypatch):
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     ref = K.linear_attention(*K.variant_features(q, k, "latte", m, rho ** 0.5, rho ** 0.5, 1.0, 1.0), v, kpm)
     torch.testing.assert_close(compiled, ref, atol=1e-4, rtol=1e-4)
-    # a calibrated layer takes it under LATTE_KERNEL=compiled (the benchmarks' CPU setting)
-    from latte_plugin.core.layer import LatteParams
+    # a calibrated layer takes it under LATTE_KERNEL=compiled (the benchmarks' CPU setting), read
+    # once when the layer is built: a later change of the variable does not reach it
+    from latte_plugin.nn.params import LatteParams
+    from latte_plugin.ops import latte as latte_ops
 
+    monkeypatch.setenv("LATTE_KERNEL", "compiled")
     layer = LatteParams(64, 4, mode="linear")
+    monkeypatch.setenv("LATTE_KERNEL", "eager")
+    assert layer.backend == "compiled" and LatteParams(64, 4).backend == "eager"
     layer.m.fill_(0.7)
     layer.log_rho.fill_(math.log(3.0))
-    real, calls = K._COMPILED, []  # built above
-    monkeypatch.setattr(K, "_COMPILED", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("LATTE_KERNEL", "compiled")
+    real, calls = latte_ops._COMPILED, []  # built above
+    monkeypatch.setattr(latte_ops, "_COMPILED", lambda *a: calls.append(1) or real(*a))
     torch.testing.assert_close(layer.attend(q, k, v, kpm), eager, atol=1e-5, rtol=1e-5)
     assert calls == [1]

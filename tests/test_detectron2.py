@@ -18,7 +18,7 @@ require("detectron2")
 require("detectron2._C")
 require("mmdet.models")
 import latte_plugin.detectron2 as d2p  # noqa: E402
-from latte_plugin.core import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.nn.install import find_latte_layers, set_modes
 
 D2_CFG = os.path.join(ROOT, "configs", "detectron2", "embedded", "cond_detr_r18_synthetic_latte.py")
 TINY_RTDETR = os.path.join(ROOT, "configs", "mmdet", "rtdetr_tiny_latte_synthetic.py")
@@ -181,7 +181,7 @@ def _launch_worker(out, data_root):
     from detectron2.config import instantiate
     from detectron2.utils import comm
 
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
 
     torch.set_num_threads(1)
     cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never", prefix="latte_test40")
@@ -238,7 +238,7 @@ def test_meta_arch_and_hook_apply_mode_and_threshold_to_a_loaded_calibration(syn
     from detectron2.config import instantiate
     from detectron2.engine import SimpleTrainer
 
-    from latte_plugin.core.io import save_calibrated_checkpoint
+    from latte_plugin.storage import save_calibrated_checkpoint
 
     cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.num_images=2", "model.latte.steps=1",
                 "model.latte.greedy_images=1")
@@ -308,7 +308,7 @@ def test_a_checkpoint_calibrated_for_other_candidates_is_refused(synthetic_data,
     from detectron2.checkpoint import DetectionCheckpointer
     from detectron2.config import instantiate
 
-    from latte_plugin.core.io import CheckpointError
+    from latte_plugin.storage import CheckpointError
 
     cfg = _lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.num_images=2", "model.latte.steps=1",
                 "model.latte.greedy_images=1")

@@ -92,7 +92,7 @@ BLOCKED_RUN = textwrap.dedent('''
     from detectron2.config import LazyConfig, instantiate
     from detectron2.evaluation import inference_on_dataset
     import latte_plugin.detectron2 as d2p
-    from latte_plugin.core import find_latte_layers
+    from latte_plugin.nn import find_latte_layers
 
     from detectron2.modeling import META_ARCH_REGISTRY
     assert META_ARCH_REGISTRY.get("LatteRTDETR") is d2p.LatteRTDETR

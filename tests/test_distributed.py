@@ -7,7 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from latte_plugin.core import LatteConfig, calibrate_model, find_latte_layers, swap_mha
+from latte_plugin.calibration.config import LatteConfig
+from latte_plugin.calibration.flow import calibrate_model
+from latte_plugin.nn.install import find_latte_layers
+from latte_plugin.nn.mha import swap_mha
 from tests.toy import ToyEncoder, toy_batches
 
 # max_queries and max_items below what the data holds: the keyed query sampling and the

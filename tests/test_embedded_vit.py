@@ -68,7 +68,7 @@ def test_the_main_jobs_speed_column_times_the_backbone_too():
     import sys
 
     from latte_plugin.mmdet import install_latte_cores
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
 
     sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
     from main_job_rows import latency_modules

@@ -4,8 +4,7 @@ import pytest
 import torch
 import torchvision
 
-from latte_plugin.core.fidelity import (IOU_THRESHOLDS, DetectionDisagreement, RawDistortion, box_iou,
-                                        detection_agreement, match_count, naive_match_count)
+from latte_plugin.calibration.measures import IOU_THRESHOLDS, DetectionDisagreement, RawDistortion, box_iou, detection_agreement, match_count, naive_match_count
 
 
 def _random_dets(gen, n, labels=3, size=100.0):

@@ -167,7 +167,7 @@ EXPECTED_SITES = {
 def test_candidates_are_found_from_the_model(family):
     """One probe forward classifies every attention layer; ``candidates='auto'`` takes the global ones."""
     from latte_plugin.adapter import swap_attention
-    from latte_plugin.core.layer import find_latte_layers
+    from latte_plugin.nn.install import find_latte_layers
 
     require("detectron2.structures")
     from latte_plugin.detectron2 import LatteHFDetector

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import latte_plugin
-from latte_plugin.core import find_latte_layers, set_modes
+from latte_plugin.nn.install import find_latte_layers, set_modes
 from tests.conftest import require
 
 QUIET = dict(progress=False, log=lambda s: None, steps=5, greedy_images=2)

@@ -14,7 +14,7 @@ from tests.conftest import ROOT, require, tiny_cfg
 require("mmcv.ops")
 require("mmdet.models")
 import latte_plugin.mmdet  # noqa: E402,F401  (registers LATTEAttention / LinearizeHook)
-from latte_plugin.core import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.nn.install import find_latte_layers, set_modes
 
 
 def _build(cfg_model):
@@ -43,7 +43,7 @@ def test_latte_attention_is_a_drop_in_for_mmcv(batch_first):
         a = ref(x, query_pos=pos, key_padding_mask=kpm)
         b = lat(x, query_pos=pos, key_padding_mask=kpm)
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
-        lat.latte.recorder = lambda *args: None  # force our own exact path
+        lat.latte.register_forward_hook(lambda *args: None)  # a tap forces our own exact path
         torch.testing.assert_close(lat(x, query_pos=pos, key_padding_mask=kpm), a, atol=1e-6, rtol=1e-6)
 
 
@@ -55,7 +55,7 @@ def test_latte_attention_is_a_drop_in_for_mmcv(batch_first):
 def test_config_swap_on_detr_family(base):
     from mmengine.config import Config
 
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
     from latte_plugin.mmdet import install_latte_cores
 
     import mmdet
@@ -159,7 +159,7 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import main_job
 
-    from latte_plugin.core import flow
+    from latte_plugin.calibration import flow
 
     measured = []  # the signal is the exact model's: the job measures it once, not per row
     monkeypatch.setattr(flow, "attention_signal", lambda *a, _f=flow.attention_signal: measured.append(1) or _f(*a))
@@ -192,7 +192,7 @@ def test_main_job_rows_that_differ_in_share_calibrate_once(synthetic_data, tmp_p
     import main_job
     from main_job_rows import ROWS, shared_calibrations
 
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
 
     groups = shared_calibrations(LatteConfig(), ROWS)
     assert [r.name for r in groups["ours:auto"]] == ["ours:auto", "ours:auto@83%"]
@@ -283,7 +283,7 @@ def test_calibrated_checkpoint_from_another_config_is_refused(synthetic_data, tm
     other = tiny_cfg(synthetic_data, str(tmp_path / "other"), candidates=["encoder.layers.[0-2].self_attn"])
     other.load_from = report["paths"]["checkpoint"]
     runner = Runner.from_cfg(other)
-    with pytest.raises(ValueError, match="calibrated for LATTE candidates"):
+    with pytest.raises(ValueError, match="latte_calibrated.pth was calibrated for other LATTE candidates"):
         runner.test()
 
 
@@ -396,7 +396,7 @@ def test_the_hook_refuses_a_mismatched_checkpoint_in_mmdets_own_test_script(synt
     """mmdet's Runner (as tools/test.py uses it) with load_from = another model's checkpoint."""
     from mmengine.runner import Runner
 
-    from latte_plugin.core.io import CheckpointError
+    from latte_plugin.storage import CheckpointError
 
     cfg = tiny_cfg(synthetic_data, str(tmp_path))
     cfg.load_from = os.path.join(ROOT, "checkpoints", "rtdetr_r18_synthetic.pth")
@@ -411,8 +411,8 @@ def test_embedded_latte_configs_swap_their_candidates(name, count, linear):
     """The embedded LATTE configs (the main job's) name candidates that exist: 6 and 7 layers."""
     from mmengine.config import Config
 
-    from latte_plugin.core.settings import LatteConfig
-    from latte_plugin.core.selection import num_linear_layers
+    from latte_plugin.calibration.config import LatteConfig
+    from latte_plugin.calibration.config import num_linear_layers
     from latte_plugin.mmdet import install_latte_cores
 
     cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", name))
@@ -426,7 +426,7 @@ def test_target_budgets_detection_disagreement_on_the_embedded_detector(syntheti
     """target= on a detector: the mmdet adapter's detect() runs mmdet's own post-processing, the
     flow budgets 1 - agreement of the hybrid's confident detections with the exact model's, and
     the report gives the count it allowed and the figure on the report images."""
-    from latte_plugin.core.fidelity import DetectionDisagreement
+    from latte_plugin.calibration.measures import DetectionDisagreement
     from latte_plugin.mmdet.workflow import run_calibration
 
     cfg = tiny_cfg(synthetic_256, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",

@@ -13,7 +13,7 @@ from tests.conftest import ROOT, require, tiny_cfg
 from tests.toy import ToyEncoder, toy_batches
 
 from latte_plugin import linearize
-from latte_plugin.core.layer import find_latte_layers
+from latte_plugin.nn.install import find_latte_layers
 from latte_plugin.export import STANDARD_DOMAINS, export_onnx, max_abs_diff, onnx_ops, run_onnx
 
 TOL = 1e-4

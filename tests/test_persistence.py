@@ -7,13 +7,13 @@ import sys
 
 import torch
 
-from latte_plugin.core.io import atomic_torch_save, atomic_write_json
+from latte_plugin.storage import atomic_torch_save, atomic_write_json
 from tests.conftest import ROOT
 
 SLOW_WRITER = r"""
 import sys, time, torch
 sys.path.insert(0, {root!r})
-from latte_plugin.core.io import atomic_torch_save
+from latte_plugin.storage import atomic_torch_save
 
 class Slow:
     def __reduce__(self):

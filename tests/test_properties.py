@@ -3,8 +3,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from latte_plugin.core import LatteParams
-from latte_plugin.core.kernels import VARIANTS
+from latte_plugin.nn.params import LatteParams
+from latte_plugin.ops.latte import VARIANTS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

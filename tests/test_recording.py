@@ -12,10 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-import latte_plugin.core.recording as recording
-from latte_plugin.core import LatteConfig, calibrate_model, calibrate_model_ratios, find_latte_layers, swap_mha
-from latte_plugin.core.calibration import LayerRecorder, RecordingDone, no_reduce
-from latte_plugin.core.flow import _start
+import latte_plugin.calibration.record as recording
+from latte_plugin.calibration.config import LatteConfig
+from latte_plugin.calibration.flow import calibrate_model, calibrate_model_ratios
+from latte_plugin.nn.install import find_latte_layers
+from latte_plugin.nn.mha import swap_mha
+from latte_plugin.calibration.record import LayerRecorder, RecordingDone
+from latte_plugin.calibration.context import Host, no_reduce
+from latte_plugin.calibration.flow import _start
 from tests.toy import Block, ToyEncoder, toy_batches
 
 NAMES = [f"layers.{i}.attn" for i in range(6)]
@@ -36,8 +40,7 @@ class SharedBlock(nn.Module):
 
 def _run(model, cfg):
     batches = toy_batches(n=8)
-    return _start(model, batches, lambda b: model(b), cfg, no_reduce, lambda s: None,
-                  lambda it, total, desc: it, (0, 1), None)
+    return _start(model, batches, Host(lambda b: model(b), log=lambda s: None), cfg)
 
 
 def _count_calls(module: nn.Module) -> list:
@@ -65,14 +68,14 @@ def test_a_one_layer_recording_stops_after_a_layer_that_runs_once_and_records_th
     run = _run(model, LatteConfig(candidates=["layers.*.attn"]))
     head_calls = _count_calls(model.head)
     everything = recording.record_layers(run, NAMES, "recording")
-    assert run.runs_once == set(NAMES)
+    assert run.caches.runs_once == set(NAMES)
     forwards = len(head_calls)
     assert forwards == sum(len(getattr(run.split, r)) for r in everything) > 0
 
     head_calls.clear()
     stopped = recording.record_layers(run, ["layers.2.attn"], "one layer")
     assert len(head_calls) == 0, "the forward went on past the recorded layer"
-    run.runs_once.clear()
+    run.caches.runs_once.clear()
     full = recording.record_layers(run, ["layers.2.attn"], "one layer")
     assert len(head_calls) == forwards
     _same_items(_items(stopped, "layers.2.attn"), _items(full, "layers.2.attn"))
@@ -85,12 +88,12 @@ def test_a_layer_that_runs_twice_per_forward_is_recorded_to_the_end():
     run = _run(model, LatteConfig(candidates=["block.attn"]))
     other = LayerRecorder("other")  # a second recorder so the all-layer rule applies to a group
     recs = recording.record_layers(run, ["block.attn"], "recording")
-    assert run.runs_once == set()
-    run.runs_once |= recording.runs_once({"fit": {"block.attn": recs["fit"]["block.attn"], "x": other},
+    assert run.caches.runs_once == set()
+    run.caches.runs_once |= recording.runs_once({"fit": {"block.attn": recs["fit"]["block.attn"], "x": other},
                                           "choose": {"block.attn": recs["choose"]["block.attn"], "x": other},
                                           "report": {"block.attn": recs["report"]["block.attn"], "x": other}},
                                          forwards=8, all_reduce=no_reduce)
-    assert "block.attn" not in run.runs_once
+    assert "block.attn" not in run.caches.runs_once
     assert any(recs[r]["block.attn"].repeated for r in recs)
     head_calls = _count_calls(model.head)
     recording.record_layers(run, ["block.attn"], "one layer")
@@ -103,7 +106,7 @@ def test_a_single_candidate_is_learnt_from_its_own_full_recording():
     swap_mha(model, ["layers.1.attn"])
     run = _run(model, LatteConfig(candidates=["layers.1.attn"]))
     recording.record_layers(run, ["layers.1.attn"], "recording")
-    assert run.runs_once == {"layers.1.attn"}
+    assert run.caches.runs_once == {"layers.1.attn"}
     head_calls = _count_calls(model.head)
     recording.record_layers(run, ["layers.1.attn"], "one layer")
     assert len(head_calls) == 0
@@ -121,7 +124,7 @@ def _calibrate(ratios, monkeypatch=None, **kw):
     model = ToyEncoder().eval()
     swap_mha(model, ["layers.*.attn"])
     cfg = LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, compensate="always", **kw)
-    reps = list(calibrate_model_ratios(model, toy_batches(n=16), lambda b: model(b), cfg, ratios, log=lambda s: None))
+    reps = list(calibrate_model_ratios(model, toy_batches(n=16), Host(lambda b: model(b), log=lambda s: None), cfg, ratios))
     return reps, model
 
 
@@ -148,8 +151,10 @@ def test_shares_reuse_the_compensation_of_their_common_beginning_and_nothing_cha
     the first difference on; with both savings switched off (no layer runs once, nothing
     remembered) every report and the final state are bit for bit the same."""
     refits = []
-    real = recording._compensate_layer
-    monkeypatch.setattr(recording, "_compensate_layer", lambda run, n, rule, t: refits.append(n) or real(run, n, rule, t))
+    import latte_plugin.calibration.compensate as compensate
+
+    real = compensate._compensate_layer
+    monkeypatch.setattr(compensate, "_compensate_layer", lambda run, n, rule, t: refits.append(n) or real(run, n, rule, t))
     reps, model = _calibrate((0.5, 0.83), selection="score")  # nested sets: 3 layers, then those and 2 more
     first, second = (r["linearized"] for r in reps)
     common = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
@@ -157,9 +162,9 @@ def test_shares_reuse_the_compensation_of_their_common_beginning_and_nothing_cha
     assert all(r["selection"]["compensation"]["kept"] for r in reps)
 
     monkeypatch.setattr(recording, "runs_once", lambda recs, forwards, all_reduce: set())
-    monkeypatch.setattr(recording, "compensate_layers", _without_memory(recording.compensate_layers))
-    import latte_plugin.core.flow as flow
-    monkeypatch.setattr(flow, "compensate_layers", recording.compensate_layers)
+    import latte_plugin.calibration.flow as flow
+
+    monkeypatch.setattr(flow, "compensate_layers", _without_memory(flow.compensate_layers))
     plain, plain_model = _calibrate((0.5, 0.83), selection="score")
     for a, b in zip(plain, reps):
         _same(a, b)
@@ -169,7 +174,7 @@ def test_shares_reuse_the_compensation_of_their_common_beginning_and_nothing_cha
 
 def _without_memory(compensate):
     def forgetful(run, chosen, targets):
-        run.compensated.clear()
+        run.caches.compensated.clear()
         return compensate(run, chosen, targets)
     return forgetful
 

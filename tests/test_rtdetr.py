@@ -17,7 +17,7 @@ require("mmcv.ops")
 require("mmdet.models")
 require("transformers")
 import latte_plugin.mmdet  # noqa: E402,F401
-from latte_plugin.core import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.nn.install import find_latte_layers, set_modes
 
 TINY_RTDETR = os.path.join(ROOT, "configs", "mmdet", "rtdetr_tiny_latte_synthetic.py")
 EMBEDDED_RTDETR = os.path.join(ROOT, "configs", "mmdet", "embedded", "rtdetr_r18_synthetic.py")
@@ -84,7 +84,7 @@ def test_rtdetr_candidates_and_exact_mode_is_unchanged():
     from mmdet.registry import MODELS
     from mmdet.structures import DetDataSample
 
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
     from latte_plugin.mmdet import install_latte_cores
     from latte_plugin.mmdet.rtdetr import RTDETR_CANDIDATES
 

@@ -3,8 +3,8 @@ a plain reference; modes are restored."""
 import torch
 
 from latte_plugin.adapter import swap_attention
-from latte_plugin.core.layer import find_latte_layers
-from latte_plugin.core.signal import attention_signal, naive_attention_signal
+from latte_plugin.nn.install import find_latte_layers
+from latte_plugin.calibration.signal import attention_signal, naive_attention_signal
 from tests.toy import ToyEncoder, toy_batches
 
 
@@ -48,8 +48,8 @@ def test_the_signal_equals_its_naive_reference_and_sums_across_processes():
 
 
 def test_the_calibration_report_holds_the_signal_of_every_candidate():
-    from latte_plugin.core.flow import calibrate_model
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.flow import calibrate_model
+    from latte_plugin.calibration.config import LatteConfig
 
     model = _model()
     report = calibrate_model(model, toy_batches(n=4), lambda x: model(x),
@@ -63,7 +63,7 @@ def test_the_calibration_report_holds_the_signal_of_every_candidate():
 
 
 def test_attention_entropy_is_one_for_uniform_and_near_zero_for_one_key_per_query():
-    from latte_plugin.core.signal import attention_entropy
+    from latte_plugin.calibration.signal import attention_entropy
 
     k = torch.randn(2, 3, 9, 8)
     assert abs(attention_entropy(torch.zeros(2, 3, 5, 8), k) - 1.0) < 1e-12  # equal scores: uniform
@@ -80,11 +80,11 @@ def test_attention_entropy_is_one_for_uniform_and_near_zero_for_one_key_per_quer
 
 
 def test_attention_sharpness_reads_each_exact_layer_and_restores_modes():
-    from latte_plugin.core.signal import attention_sharpness
+    from latte_plugin.calibration.signal import attention_sharpness
 
     model = _model()
     layers = find_latte_layers(model)
     layers["layers.2.attn"].mode = "linear"
     got = attention_sharpness(layers, toy_batches(n=2), lambda x: model(x))
     assert set(got) == set(layers) and all(0.0 < v <= 1.0 for v in got.values())
-    assert layers["layers.2.attn"].mode == "linear" and all(layer.recorder is None for layer in layers.values())
+    assert layers["layers.2.attn"].mode == "linear" and not any(layer.tapped for layer in layers.values())

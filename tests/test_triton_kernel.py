@@ -12,11 +12,11 @@ if DEVICE == "cpu":
 
 import pytest  # noqa: E402
 
-triton_latte = pytest.importorskip("latte_plugin.core.triton_latte", reason="triton is not installed")
+triton_latte = pytest.importorskip("latte_plugin.ops.triton_latte", reason="triton is not installed")
 if triton_latte.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from latte_plugin.core import kernels  # noqa: E402
+from latte_plugin import ops as kernels
 from tests.conftest import qkv as _qkv  # noqa: E402
 
 
@@ -72,17 +72,24 @@ def test_triton_kernel_refuses_what_it_does_not_support():
 
 
 def test_triton_dispatch_is_for_cuda_only_and_can_be_turned_off(monkeypatch):
-    """CPU tensors take the eager path; LATTE_KERNEL=eager turns the kernel off everywhere."""
-    from latte_plugin.core import layer as layer_mod
+    """``auto`` sends CPU tensors to the eager path; ``eager`` (or ``LATTE_KERNEL=eager``, read once
+    when a layer is built) and ``set_enabled(False)`` turn the kernel off."""
+    from latte_plugin.nn import params as layer_mod
+    from latte_plugin.ops import latte as latte_ops
 
     q, k, v = qkv(d=32)
-    assert layer_mod._triton_ready(q, k, v)  # installed and supported: CUDA tensors would take it
+    assert latte_ops._triton_takes(q, k, v, "triton")  # installed and supported: the explicit backend takes it
+    assert not latte_ops._triton_takes(q, k, v, "auto")  # CPU tensors: auto runs eager (CUDA ones take the kernel)
+    assert not latte_ops._triton_takes(q, k, v, "eager")
     monkeypatch.setenv("LATTE_KERNEL", "eager")
-    assert not layer_mod._triton_ready(q, k, v)
+    assert layer_mod.LatteParams(embed_dim=4 * 32, num_heads=4).backend == "eager"
+    monkeypatch.setenv("LATTE_KERNEL", "sometimes")
+    with pytest.raises(ValueError, match="LATTE_KERNEL='sometimes' is not a LATTE kernel backend"):
+        layer_mod.LatteParams(embed_dim=4 * 32, num_heads=4)
     monkeypatch.delenv("LATTE_KERNEL")
     triton_latte.set_enabled(False)
     try:
-        assert not layer_mod._triton_ready(q, k, v)
+        assert not latte_ops._triton_takes(q, k, v, "triton")
     finally:
         triton_latte.set_enabled(True)
     calls = []
@@ -153,7 +160,7 @@ def test_triton_kernel_is_finite_at_long_n_where_kv_exceeds_float16(dtype):
 def test_real_calibrated_scalars_in_16_bit_kernel_and_eager(dtype, layer):
     """Every linear layer of both embedded calibrated detectors and of the generic example, with
     its own (m, rho) per head, through the Triton kernel and the eager 16-bit layer path."""
-    from latte_plugin.core.layer import LatteParams
+    from latte_plugin.nn.params import LatteParams
 
     m = torch.tensor(layer["m"], dtype=torch.float32).reshape(-1)
     rho = torch.tensor(layer["rho"], dtype=torch.float32).reshape(-1)

@@ -36,7 +36,7 @@ NOT_FLAGS = ("calibrate",)
 def add_latte_arguments(p: argparse.ArgumentParser) -> None:
     """One ``--flag`` per ``LatteConfig`` field: type and default from the dataclass, help and
     choices from each field's metadata. Flags left out keep the config's value (``None`` here)."""
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
 
     defaults = LatteConfig()
     g = p.add_argument_group("LATTE settings (LatteConfig fields; unset = the config's value)")
@@ -63,7 +63,7 @@ def add_latte_arguments(p: argparse.ArgumentParser) -> None:
 
 def latte_overrides(args: argparse.Namespace) -> dict:
     """The ``LatteConfig`` fields given on the command line."""
-    from latte_plugin.core.settings import LatteConfig
+    from latte_plugin.calibration.config import LatteConfig
 
     o = {f.name: getattr(args, f.name) for f in dataclasses.fields(LatteConfig)
          if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None}
@@ -148,8 +148,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
     from latte_plugin.console import quiet, say
-    from latte_plugin.core.settings import LatteConfig
-    from latte_plugin.core.io import CheckpointError
+    from latte_plugin.calibration.config import LatteConfig
+    from latte_plugin.storage import CheckpointError
 
     args.work_dir = args.work_dir or os.path.join("work_dirs", os.path.splitext(os.path.basename(args.config))[0])
     log_path = os.path.join(args.work_dir, "calibrate.log")

@@ -174,7 +174,7 @@ def convert(src: str, out_dir: str, arch: str = "r50vd") -> str:
     """Writes the HF directory for an original checkpoint; returns ``out_dir``."""
     from transformers import RTDetrForObjectDetection
 
-    from latte_plugin.core.io import check_readable
+    from latte_plugin.storage import check_readable
 
     check_readable(src)
     model = RTDetrForObjectDetection(build_config(arch)).eval()

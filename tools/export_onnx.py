@@ -75,7 +75,7 @@ def example_input(runner, shape):
 
 
 def export(args: argparse.Namespace, runner) -> dict:
-    from latte_plugin.core.layer import find_latte_layers
+    from latte_plugin.nn.install import find_latte_layers
     from latte_plugin.export import export_onnx, max_abs_diff, run_onnx
     from latte_plugin.mmdet.export import RawOutputs
 
@@ -131,7 +131,7 @@ def evaluate(runner, onnx_path: str) -> dict:
 def main(argv=None) -> dict:
     from latte_plugin.console import quiet, say
 
-    from latte_plugin.core.io import CheckpointError
+    from latte_plugin.storage import CheckpointError
 
     args = parse_args(argv)
     with quiet(os.path.join(os.path.dirname(os.path.abspath(args.out)), "export_onnx.log")):
@@ -148,7 +148,7 @@ def main(argv=None) -> dict:
             say(f"[latte] CocoMetric bbox_mAP: torch {t:.3f}, onnxruntime {o:.3f}")
     result.update(config=args.config, checkpoint=args.checkpoint, exact=args.exact)
     if args.results:
-        from latte_plugin.core.io import atomic_write_json
+        from latte_plugin.storage import atomic_write_json
 
         atomic_write_json(result, args.results)
     return result

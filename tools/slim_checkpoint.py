@@ -23,7 +23,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     import torch
 
-    from latte_plugin.core.io import CheckpointError, check_readable
+    from latte_plugin.storage import CheckpointError, check_readable
     from latte_plugin.mmdet.checkpoint import slim_checkpoint
 
     try:

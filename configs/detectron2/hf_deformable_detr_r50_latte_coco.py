@@ -6,6 +6,6 @@ import os
 from .hf_detector_latte_coco_800 import dataloader, model, train  # noqa: F401
 
 model.family = "deformable_detr"
-model.hf_config = "deformable_detr_r50"  # the architecture (configs/hf/coco), for model.pretrained=None: random weights
+model.hf_config = "deformable_detr_r50"  # the architecture (latte_plugin/resources/architectures), for model.pretrained=None: random weights
 # an HF directory of this model (config.json + model.safetensors), resolved against the repository
 model.pretrained = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "hf", "deformable_detr_r50")

@@ -9,7 +9,7 @@ from detectron2.config import LazyCall as L
 from .hf_detector_latte_coco import dataloader, model, train  # noqa: F401
 
 model.family = "rf_detr"
-model.hf_config = "rf_detr_nano"  # the architecture (configs/hf/coco), for model.pretrained=None: random weights
+model.hf_config = "rf_detr_nano"  # the architecture (latte_plugin/resources/architectures), for model.pretrained=None: random weights
 # an HF directory of this model (config.json + model.safetensors), resolved against the repository
 model.pretrained = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "hf", "rf_detr_nano")
 # RF-DETR Nano's image processor: 384 x 384

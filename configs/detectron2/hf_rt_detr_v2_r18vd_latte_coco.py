@@ -6,6 +6,6 @@ import os
 from .hf_detector_latte_coco import dataloader, model, train  # noqa: F401
 
 model.family = "rt_detr_v2"
-model.hf_config = "rt_detr_v2_r18vd"  # the architecture (configs/hf/coco), for model.pretrained=None: random weights
+model.hf_config = "rt_detr_v2_r18vd"  # the architecture (latte_plugin/resources/architectures), for model.pretrained=None: random weights
 # an HF directory of this model (config.json + model.safetensors), resolved against the repository
 model.pretrained = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "hf", "rt_detr_v2_r18vd")

@@ -6,6 +6,6 @@ import os
 from .hf_detector_latte_coco_800 import dataloader, model, train  # noqa: F401
 
 model.family = "yolos"
-model.hf_config = "yolos_tiny"  # the architecture (configs/hf/coco), for model.pretrained=None: random weights
+model.hf_config = "yolos_tiny"  # the architecture (latte_plugin/resources/architectures), for model.pretrained=None: random weights
 # an HF directory of this model (config.json + model.safetensors), resolved against the repository
 model.pretrained = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "hf", "yolos_tiny")

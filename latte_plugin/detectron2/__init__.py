@@ -9,7 +9,8 @@
 from .calibrate import Detectron2Adapter, calibrate_detector
 from .data import register_synthetic
 from .hook import LinearizeHook
-from .meta_arch import LatteDETR, LatteHFDetector, LatteMetaArch, LatteRTDETR, MMDetDetector
+from .meta_arch import LatteHFDetector, LatteMetaArch, LatteRTDETR
+from .mmdet_bridge import LatteDETR, MMDetDetector  # imports mmdet only when such a model is built
 
 __all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteHFDetector", "LatteRTDETR", "LinearizeHook", "calibrate_detector",
            "Detectron2Adapter",

@@ -17,7 +17,7 @@ from torch import nn
 from detectron2.utils import comm
 
 from ..adapter import Adapter, calibrate
-from ..core.settings import LatteConfig
+from ..calibration.config import LatteConfig
 
 __all__ = ["Detectron2Adapter", "unwrap", "calibrate_detector"]
 
@@ -77,6 +77,6 @@ def calibrate_detector(model: nn.Module, data: Iterable, cfg: LatteConfig) -> di
         cfg: the LATTE settings.
 
     Returns:
-        The core report (see :func:`latte_plugin.core.flow.calibrate_model`).
+        The core report (see :func:`latte_plugin.calibration.flow.calibrate_model`).
     """
     return calibrate(ADAPTER, model, data, cfg)

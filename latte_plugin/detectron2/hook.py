@@ -8,8 +8,8 @@ from detectron2.engine import HookBase
 from detectron2.utils import comm
 
 from ..adapter import ensure_calibrated
-from ..core.io import REPORT_NAME, atomic_write_json
-from ..core.settings import LatteConfig
+from ..storage import REPORT_NAME, atomic_write_json
+from ..calibration.config import LatteConfig
 from .calibrate import ADAPTER
 
 __all__ = ["LinearizeHook"]

@@ -7,13 +7,14 @@ The models are the *same implementations* as on the mmdet side, with the same
   LW-DETR, RF-DETR, YOLOS, Conditional / Deformable DETR) as ``hf`` (the keys of
   :class:`latte_plugin.mmdet.HFDetector`); :class:`LatteRTDETR` is its RT-DETR. It needs torch,
   detectron2 and transformers only: neither mmdet nor mmcv.
-* :class:`MMDetDetector` (and :class:`LatteDETR`) builds an mmdet detector from an mmdet
-  config (the DETR family) and adopts its children; it needs mmdet.
+* :class:`~latte_plugin.detectron2.mmdet_bridge.MMDetDetector` (and ``LatteDETR``) builds an mmdet
+  detector from an mmdet config (the DETR family); it lives in the one module of this adapter
+  that imports mmdet (:mod:`latte_plugin.detectron2.mmdet_bridge`).
 
 Only the interfaces are adapted: detectron2's list of dicts in, ``Instances`` out.
 
 LATTE is switched on by the ``latte`` argument (a dict of
-:class:`~latte_plugin.core.LatteConfig` fields), i.e. by LazyConfig overrides such as
+:class:`~latte_plugin.calibration.LatteConfig` fields), i.e. by LazyConfig overrides such as
 ``model.latte.ratio=0.5``. A model with LATTE layers that are not calibrated yet calibrates
 itself on its first evaluation forward, from ``calibration_loader`` (a LazyCall'd train-split
 loader), so detectron2's own ``lazyconfig_train_net.py --eval-only`` works with a plain
@@ -21,7 +22,6 @@ checkpoint; a calibrated checkpoint is used as is.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any, Optional
 
@@ -32,13 +32,13 @@ from detectron2.modeling import META_ARCH_REGISTRY
 from detectron2.structures import Boxes, Instances
 
 from ..adapter import ensure_calibrated, swap_attention
-from ..core.layer import find_latte_layers
-from ..core.settings import LatteConfig
-from ..core.io import CheckpointError, key_mismatch, mismatch_message
+from ..nn.install import find_latte_layers
+from ..calibration.config import LatteConfig
+from ..storage import CheckpointError, check_latte_candidates, key_mismatch, mismatch_message
 from ..hf.detectors import (build_detector, default_top_k, detection_targets, detector_outputs, family_of,
                             pixel_mask_of, postprocess)
 
-__all__ = ["LatteMetaArch", "MMDetDetector", "LatteDETR", "LatteHFDetector", "LatteRTDETR"]
+__all__ = ["LatteMetaArch", "LatteHFDetector", "LatteRTDETR"]
 
 logger = logging.getLogger("detectron2")
 
@@ -50,27 +50,6 @@ def _plain(value: Any) -> Any:
     except ImportError:  # pragma: no cover - detectron2 depends on omegaconf
         return value
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-def _build_mmdet_model(mmdet_config: str, overrides: Optional[dict] = None) -> nn.Module:
-    from mmengine.config import Config
-    from mmdet.registry import MODELS
-    from mmdet.utils import register_all_modules
-
-    import latte_plugin.mmdet  # noqa: F401  (HFRTDETR, safe checkpoint globals)
-
-    register_all_modules()
-    if mmdet_config.startswith("mmdet::"):  # a config shipped with mmdet
-        import os
-
-        import mmdet
-
-        mmdet_config = os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", mmdet_config.split("::", 1)[1])
-    cfg = Config.fromfile(mmdet_config)
-    model_cfg = copy.deepcopy(cfg.model)
-    if overrides:
-        model_cfg.merge_from_dict(overrides) if hasattr(model_cfg, "merge_from_dict") else model_cfg.update(overrides)
-    return MODELS.build(model_cfg)
 
 
 class LatteMetaArch(nn.Module):
@@ -97,7 +76,7 @@ class LatteMetaArch(nn.Module):
         self._calibration_loader = calibration_loader
         self._calibrated_here = False
         if self.latte_cfg is not None:
-            swap_attention(self, self.latte_cfg.candidates, self.latte_cfg.variant)
+            swap_attention(self, self.latte_cfg.candidates, self.latte_cfg.variant, self.latte_cfg.backend)
         self.allow_partial_load = bool(allow_partial_load)
         self.register_load_state_dict_post_hook(_refuse_mismatched_keys)
 
@@ -155,7 +134,7 @@ class LatteHFDetector(LatteMetaArch):
 
     Args:
         family: transformers ``model_type``; read from ``pretrained`` when not given.
-        hf_config: config keywords (dict, JSON path, or a name under ``configs/hf/coco``);
+        hf_config: config keywords (dict, JSON path, or a name under ``latte_plugin/resources/architectures``);
             random initialisation.
         pretrained: a local HF checkpoint directory (``config.json`` + ``model.safetensors``);
             overrides ``hf_config``. hf_overrides: config keys applied on top of it.
@@ -247,114 +226,16 @@ class LatteRTDETR(LatteHFDetector):
         super().__init__("rt_detr", hf_config, pretrained, **kwargs)
 
 
-@META_ARCH_REGISTRY.register()
-class MMDetDetector(LatteMetaArch):
-    """An mmdet detector in detectron2's interface (needs mmdet; RT-DETR does not: :class:`LatteRTDETR`).
-
-    Args:
-        mmdet_config: path of the mmdet config whose ``model`` is built (the same config and
-            checkpoint as on the mmdet side), or ``mmdet::<path>`` for one shipped with mmdet.
-        model_overrides: keys merged into the mmdet model config.
-        latte, calibration_loader, allow_partial_load: see :class:`LatteMetaArch`.
-    """
-
-    def __init__(
-        self,
-        mmdet_config: str,
-        latte: Optional[dict] = None,
-        calibration_loader: Any = None,
-        model_overrides: Optional[dict] = None,
-        allow_partial_load: bool = False,
-    ) -> None:
-        super().__init__()
-        det = _build_mmdet_model(mmdet_config, _plain(model_overrides))
-        for name, child in det.named_children():  # mmdet's keys, so checkpoints are shared
-            self.add_module(name, child)
-        object.__setattr__(self, "_det", det)  # the same modules, not registered twice
-        self._setup_latte(latte, calibration_loader, allow_partial_load)
-
-    def train(self, mode: bool = True) -> "MMDetDetector":
-        super().train(mode)
-        self._det.training = mode  # the wrapped detector object itself (its children are ours)
-        return self
-
-    def to_mmdet(self, batched_inputs: list[dict], training: bool) -> dict:
-        """detectron2 dicts (``image`` (C, H, W) in BGR, ``height``/``width`` of the original)
-        -> mmdet's preprocessed ``{'inputs', 'data_samples'}``."""
-        from mmdet.structures import DetDataSample
-        from mmengine.structures import InstanceData
-
-        inputs, samples = [], []
-        for d in batched_inputs:
-            img = d["image"]
-            h, w = int(img.shape[-2]), int(img.shape[-1])
-            oh, ow = int(d.get("height", h)), int(d.get("width", w))
-            ds = DetDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(oh, ow), scale_factor=(w / ow, h / oh),
-                                             img_id=d.get("image_id")))
-            if training:
-                gt = d["instances"]
-                ds.gt_instances = InstanceData(bboxes=gt.gt_boxes.tensor.float(), labels=gt.gt_classes.long())
-            inputs.append(img)
-            samples.append(ds)
-        return self._det.data_preprocessor({"inputs": inputs, "data_samples": samples}, training)
-
-    def tensor_forward(self, batched_inputs: list[dict]):
-        """Raw head outputs (mmdet's ``mode='tensor'``): what calibration compares."""
-        data = self.to_mmdet(batched_inputs, False)
-        return self._det(**data, mode="tensor")
-
-    def forward(self, batched_inputs: list[dict]):
-        if self.training:
-            data = self.to_mmdet(batched_inputs, True)
-            losses = self._det(**data, mode="loss")
-            return {k: v for k, v in losses.items() if "loss" in k}
-        self._maybe_calibrate()
-        return self.predict(batched_inputs)
-
-    def predict(self, batched_inputs: list[dict]) -> list[dict]:
-        """Inference as it is (no calibration first): ``[{"instances": Instances}]`` in original-image pixels."""
-        data = self.to_mmdet(batched_inputs, False)
-        preds = self._det(**data, mode="predict")
-        return [{"instances": self.to_instances(p.pred_instances.bboxes, p.pred_instances.scores,
-                                                p.pred_instances.labels, int(d.get("height", p.ori_shape[0])),
-                                                int(d.get("width", p.ori_shape[1])))}
-                for p, d in zip(preds, batched_inputs)]
-
-
 def _refuse_mismatched_keys(module: LatteMetaArch, incompatible) -> None:
     """``load_state_dict`` post-hook: a checkpoint of another model is an error, not a warning;
     so is one calibrated for other LATTE candidates (as mmdet's hook refuses it)."""
+    model_keys = list(module.state_dict())
+    loaded = list(incompatible.unexpected_keys) + [k for k in model_keys if k not in set(incompatible.missing_keys)]
     if module.latte_cfg is not None:
-        _refuse_other_candidates(module, incompatible)
+        check_latte_candidates(model_keys, loaded, "the checkpoint")
     if module.allow_partial_load:
         return
-    missing, unexpected = key_mismatch(list(module.state_dict()),
-                                       [k for k in incompatible.unexpected_keys] +
-                                       [k for k in module.state_dict() if k not in set(incompatible.missing_keys)])
+    missing, unexpected = key_mismatch(model_keys, loaded)
     if missing or unexpected:
         raise CheckpointError(mismatch_message("the checkpoint", missing, unexpected,
                                                "model.allow_partial_load=True"))
-
-
-def _refuse_other_candidates(module: LatteMetaArch, incompatible) -> None:
-    """A checkpoint holding LATTE state for layers this config does not name, or for only some
-    of those it names, was calibrated for other candidates: refuse it in one line."""
-    def layer(key: str) -> str:
-        return key.rsplit(".latte.", 1)[0]
-
-    ours = {layer(k) for k in module.state_dict() if ".latte." in k}
-    missing = {layer(k) for k in incompatible.missing_keys if ".latte." in k}
-    extra = sorted({layer(k) for k in incompatible.unexpected_keys if ".latte." in k})
-    if extra or (missing and missing != ours):
-        raise CheckpointError(
-            f"the checkpoint was calibrated for other LATTE candidates ({len(extra)} calibrated layer(s) this config "
-            f"does not name, e.g. {', '.join(extra[:2]) or '-'}; {len(missing) if missing != ours else 0} named "
-            "layer(s) without state): it comes from another model or config; re-run tools/calibrate.py for this config")
-
-
-@META_ARCH_REGISTRY.register()
-class LatteDETR(MMDetDetector):
-    """DETR-family detector (mmdet's DETR / Conditional / DAB-DETR); default: DETR-R50 on COCO."""
-
-    def __init__(self, mmdet_config: str = "mmdet::detr/detr_r50_8xb2-150e_coco.py", **kwargs) -> None:
-        super().__init__(mmdet_config, **kwargs)

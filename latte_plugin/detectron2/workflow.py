@@ -10,9 +10,9 @@ import os
 from typing import Optional, Sequence
 
 from ..artifacts import write_artifacts
-from ..core.settings import LatteConfig
-from ..core.layer import find_latte_layers, set_modes
-from ..core.io import check_checkpoint, check_readable
+from ..calibration.config import LatteConfig
+from ..nn.install import find_latte_layers, set_modes
+from ..storage import check_checkpoint, check_readable
 from .calibrate import calibrate_detector, unwrap
 
 __all__ = ["load_config", "evaluate_bbox", "run_calibration"]

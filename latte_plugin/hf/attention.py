@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from ..core.layer import LatteParams
+from ..nn.params import LatteParams
 
 __all__ = ["LATTE_IMPLEMENTATION", "is_hf_attention", "install_latte", "latte_attention_forward", "split_hf_mask"]
 
@@ -157,7 +157,7 @@ def latte_attention_forward(
         ``((B, N, H, d_v), None)`` as HF's implementations do.
     """
     latte: LatteParams = module.latte
-    if latte.mode == "exact" and latte.recorder is None and latte.probe is None:
+    if latte.mode == "exact" and not latte.tapped:
         return module._latte_fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     if key.shape[1] != query.shape[1]:  # grouped-query attention
@@ -172,7 +172,7 @@ def latte_attention_forward(
     if attention_mask is None and causal and n > 1:
         attn_mask = torch.ones(n, m, dtype=torch.bool, device=query.device).triu(m - n + 1)[None, None]
     try:
-        out = latte.attend(query, key, value, kpm, attn_mask)  # (B, H, N, d_v)
+        out = latte(query, key, value, kpm, attn_mask)  # (B, H, N, d_v)
     except ValueError as err:  # e.g. an additive bias: name the layer, say what to do
         raise ValueError(f"{getattr(latte, 'layer_name', type(module).__name__)}: {err}") from None
     return out.transpose(1, 2).contiguous(), None

@@ -24,6 +24,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..resources import architecture_names, read_architecture
+
 __all__ = ["Family", "FAMILIES", "family_of", "build_detector", "detector_outputs", "postprocess",
            "naive_postprocess", "detection_targets", "default_top_k", "loss_logs", "pixel_mask_of", "load_config_kwargs"]
 
@@ -42,7 +44,7 @@ class Family:
         scores: ``"sigmoid"`` or ``"softmax"`` (see the module docstring).
         mean, std: normalisation after ``/255`` in RGB order, or ``None``.
         pixel_mask: the model's forward takes ``pixel_mask``.
-        architecture: the JSON (under ``configs/hf/coco``) of its smallest public COCO model.
+        architecture: the name of its smallest public COCO model's shipped JSON (``latte_plugin.resources``).
         size: that model's evaluation input ``(H, W)``.
         top_k: detections the image processor keeps (``None``: every query).
         probe_size: the smallest square input the model runs on (two-stage LW-DETR / RF-DETR
@@ -92,9 +94,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "DeformableDetrImageProcessor", "sigmoid", True, True, "deformable_detr_r50", (800, 1333)),
 )}
 
-ARCHITECTURES = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hf", "coco")
-
-
 def family_of(name_or_model: Union[str, nn.Module]) -> Family:
     """The :class:`Family` of a ``model_type`` or of a built transformers model."""
     name = name_or_model if isinstance(name_or_model, str) else getattr(name_or_model.config, "model_type", "")
@@ -105,24 +104,20 @@ def family_of(name_or_model: Union[str, nn.Module]) -> Family:
 
 def load_config_kwargs(hf_config: Union[None, dict, str]) -> dict:
     """Config keywords from a dict, a JSON file of them (an HF ``config.json`` works too), or the
-    name of a file under ``configs/hf/coco`` (e.g. ``"deimv2_dinov3_s"``). Keys starting with
-    ``_`` (comments such as ``_source``) are dropped."""
+    name of an architecture the package ships (``latte_plugin.resources``, e.g. ``"deimv2_dinov3_s"``).
+    Keys starting with ``_`` (comments such as ``_source``) are dropped."""
     if hf_config is None:
         return {}
     if isinstance(hf_config, str):
-        path = hf_config
-        if not os.path.isfile(path) and os.path.isfile(os.path.join(ARCHITECTURES, hf_config + ".json")):
-            path = os.path.join(ARCHITECTURES, hf_config + ".json")
-        if not os.path.isfile(path):
+        if os.path.isfile(hf_config):
+            with open(hf_config, encoding="utf-8") as f:
+                hf_config = json.load(f)
+        elif hf_config in architecture_names():
+            hf_config = read_architecture(hf_config)
+        else:
             raise FileNotFoundError(f"{hf_config}: no such detector config JSON; give config keywords as a dict, "
-                                    f"a JSON path, or one of {', '.join(sorted(_architectures()))}")
-        with open(path, encoding="utf-8") as f:
-            hf_config = json.load(f)
+                                    f"a JSON path, or one of {', '.join(architecture_names())}")
     return {k: v for k, v in dict(hf_config).items() if not k.startswith("_")}
-
-
-def _architectures() -> list[str]:
-    return [os.path.splitext(n)[0] for n in os.listdir(ARCHITECTURES) if n.endswith(".json")]
 
 
 def build_detector(family: Optional[str] = None, hf_config: Union[None, dict, str] = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmdet.registry import MODELS
 
-from ..core.mha import LatteMultiheadAttention
+from ..nn.mha import LatteMultiheadAttention
 
 __all__ = ["LATTEAttention"]
 

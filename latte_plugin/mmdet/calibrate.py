@@ -17,7 +17,7 @@ from mmengine.model import is_model_wrapper
 from torch import nn
 
 from ..adapter import Adapter, calibrate, swap_attention
-from ..core.settings import LatteConfig
+from ..calibration.config import LatteConfig
 
 __all__ = ["MMDetAdapter", "unwrap", "install_latte_cores", "build_calibration_loader", "detector_forward",
            "detector_predict", "calibrate_detector"]
@@ -62,7 +62,7 @@ unwrap = ADAPTER.unwrap
 
 def install_latte_cores(model: nn.Module, cfg: LatteConfig) -> list[str]:
     """Installs LATTE cores in the candidate attention modules (idempotent); returns their names."""
-    return swap_attention(unwrap(model), cfg.candidates, cfg.variant)
+    return swap_attention(unwrap(model), cfg.candidates, cfg.variant, cfg.backend)
 
 
 def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str = "test", seed: int = 0):
@@ -137,6 +137,6 @@ def calibrate_detector(model: nn.Module, data: Iterable, cfg: LatteConfig) -> di
         cfg: LATTE settings.
 
     Returns:
-        The core report (see :func:`latte_plugin.core.flow.calibrate_model`).
+        The core report (see :func:`latte_plugin.calibration.flow.calibrate_model`).
     """
     return calibrate(ADAPTER, model, data, cfg)

@@ -62,7 +62,7 @@ def slim_checkpoint(src: str, dst: str, dtype: "torch.dtype | None" = None) -> d
     Returns:
         The ``meta`` written.
     """
-    from ..core.io import save_checkpoint
+    from ..storage import save_checkpoint
 
     register_safe_globals()
     ckpt = torch.load(src, map_location="cpu", weights_only=True)

@@ -42,7 +42,7 @@ class HFDetector(BaseDetector):
     Args:
         family: transformers ``model_type`` (``"rt_detr"``, ``"deimv2"``, ...); read from
             ``pretrained`` when not given.
-        hf_config: config keywords (dict, JSON path, or a name under ``configs/hf/coco``);
+        hf_config: config keywords (dict, JSON path, or a name under ``latte_plugin/resources/architectures``);
             random initialisation.
         pretrained: a local HF checkpoint directory; loaded offline, overrides ``hf_config``.
         hf_overrides: config keys applied on top of ``pretrained`` or ``hf_config`` (e.g. ``num_labels``).

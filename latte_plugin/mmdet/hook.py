@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from mmengine.dist import is_main_process
@@ -10,9 +11,8 @@ from mmengine.logging import print_log
 from mmdet.registry import HOOKS
 
 from ..adapter import ensure_calibrated
-from ..core.layer import find_latte_layers
-from ..core.settings import LatteConfig
-from ..core.io import REPORT_NAME, atomic_write_json, check_keys, check_readable
+from ..calibration.config import LatteConfig
+from ..storage import REPORT_NAME, atomic_write_json, check_keys, check_latte_candidates, check_readable, checkpoint_state
 from .calibrate import ADAPTER, build_calibration_loader, calibrate_detector, install_latte_cores, unwrap
 
 __all__ = ["LinearizeHook"]
@@ -40,7 +40,7 @@ class LinearizeHook(Hook):
         calib_pipeline: ``'test'`` (train images through the test pipeline) or ``'train'``.
         calib_batch_size: images per calibration batch.
         allow_partial_load: accept a checkpoint whose keys do not match the model's.
-        **latte: the other :class:`~latte_plugin.core.settings.LatteConfig` fields (``ratio``,
+        **latte: the other :class:`~latte_plugin.calibration.config.LatteConfig` fields (``ratio``,
             ``num_linear``, ``variant``, ``num_images``, ``calibrate='auto'|'always'|'never'``, ...).
     """
 
@@ -71,8 +71,7 @@ class LinearizeHook(Hook):
 
     @calibrate.setter
     def calibrate(self, value: str) -> None:
-        self.latte_cfg.calibrate = value
-        self.latte_cfg.validate()
+        self.latte_cfg = replace(self.latte_cfg, calibrate=value)
 
     def before_run(self, runner) -> None:
         names = install_latte_cores(runner.model, self.latte_cfg)
@@ -83,18 +82,11 @@ class LinearizeHook(Hook):
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         """Refuses a checkpoint that does not fit the model, or a calibrated one made for other
         candidate layers (another model or config)."""
+        path = getattr(runner, "_load_from", None) or "the checkpoint"
+        model = unwrap(runner.model)
+        check_latte_candidates(model.state_dict(), checkpoint_state(checkpoint), path)
         if not self.allow_partial_load:
-            check_keys(unwrap(runner.model), checkpoint, getattr(runner, "_load_from", None) or "the checkpoint")
-        meta = (checkpoint.get("meta") or {}).get("latte") if isinstance(checkpoint, dict) else None
-        if not meta:
-            return
-        ours = list(find_latte_layers(unwrap(runner.model)))
-        theirs = list(meta.get("candidates", []))
-        if theirs != ours:
-            raise ValueError(
-                f"the checkpoint was calibrated for LATTE candidates {theirs}, but this config's "
-                f"candidates are {ours}: it comes from another model or config; re-run tools/calibrate.py"
-            )
+            check_keys(model, checkpoint, path)
 
     def before_val_epoch(self, runner) -> None:
         self._pending = True

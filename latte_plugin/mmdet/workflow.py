@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from ..artifacts import write_artifacts
-from ..core.layer import find_latte_layers, set_modes
-from ..core.io import check_checkpoint, check_readable, save_calibrated_checkpoint as save_bare
+from ..nn.install import find_latte_layers, set_modes
+from ..storage import check_checkpoint, check_readable, save_calibrated_checkpoint as save_bare
 from .calibrate import install_latte_cores, unwrap
 
 if TYPE_CHECKING:
-    from ..core.settings import LatteConfig
+    from ..calibration.config import LatteConfig
 
 __all__ = ["run_calibration", "evaluate_bbox", "save_calibrated_checkpoint", "load_config", "set_linearize_hook",
            "hook_latte_settings", "drop_linearize_hook", "runner_with_checkpoint"]
@@ -38,7 +38,7 @@ def evaluate_bbox(runner, linear: Sequence[str], mode: str = "linear") -> dict:
 
 
 def save_calibrated_checkpoint(model: torch.nn.Module, report: dict, path: str) -> None:
-    """:func:`latte_plugin.core.io.save_calibrated_checkpoint` of the model inside mmengine's wrappers."""
+    """:func:`latte_plugin.storage.save_calibrated_checkpoint` of the model inside mmengine's wrappers."""
     save_bare(unwrap(model), report, path)
 
 
@@ -79,7 +79,7 @@ def set_linearize_hook(cfg, config: str, **changes) -> dict:
 
 def hook_latte_settings(cfg, config: str) -> "LatteConfig":
     """The ``LatteConfig`` of the config's ``LinearizeHook`` entry (its other options left out)."""
-    from ..core.settings import LatteConfig
+    from ..calibration.config import LatteConfig
 
     entry = dict(cfg.custom_hooks[_hook_index(cfg, config)])
     return LatteConfig.from_dict({k: v for k, v in entry.items() if k in LatteConfig.__dataclass_fields__})

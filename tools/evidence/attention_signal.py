@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The signal column: for every LATTE candidate of an mmdet config, how much the detector's raw
 outputs move when that layer's attention output is replaced by the mean of its values (the
-others exact), on train images (``latte_plugin.core.signal``), and how far each layer's softmax is
+others exact), on train images (``latte_plugin.calibration.signal``), and how far each layer's softmax is
 from uniform (mean row entropy over log N: 1 = uniform).
 
     python tools/evidence/attention_signal.py configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py \
@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def measure(config: str, checkpoint: str, num_images: int, work_dir: str) -> tuple[dict, dict]:
     """``({layer: signal}, {layer: attention entropy / log N})`` of every candidate, on the first
     ``num_images`` train images."""
-    from latte_plugin.core.layer import find_latte_layers
-    from latte_plugin.core.signal import attention_sharpness, attention_signal
+    from latte_plugin.nn.install import find_latte_layers
+    from latte_plugin.calibration.signal import attention_sharpness, attention_signal
     from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader
     from latte_plugin.mmdet.workflow import load_config, runner_with_checkpoint
 
@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     p.add_argument("--results", required=True, help="JSON to write")
     p.add_argument("--work-dir", default=os.path.join(ROOT, "work_dirs", "signal"))
     a = p.parse_args(argv)
-    from latte_plugin.core.io import atomic_write
+    from latte_plugin.storage import atomic_write
 
     signal, entropy = measure(a.config, a.checkpoint, a.num_images, a.work_dir)
     rel = lambda path: os.path.relpath(os.path.abspath(path), ROOT)  # noqa: E731

@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
     p.add_argument("--families", nargs="*", help="only these (default: every family)")
     a = p.parse_args(argv)
     from latte_plugin.console import progress
-    from latte_plugin.core.io import atomic_write
+    from latte_plugin.storage import atomic_write
     from latte_plugin.hf.detectors import FAMILIES
 
     names = a.families or list(FAMILIES)

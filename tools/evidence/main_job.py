@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
 
-from latte_plugin.core.io import CKPT_NAME, REPORT_NAME  # noqa: E402
+from latte_plugin.storage import CKPT_NAME, REPORT_NAME
 
 DEFAULT_CONFIG = "configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py"
 DEFAULT_CHECKPOINT = "checkpoints/cond_detr_r18_synthetic.pth"
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
 
     log_path = os.path.join(a.work_dir, "main_job.log")
     say(f"[latte] main job: {a.config} on {a.checkpoint}" + ("" if a.verbose else f" (log: {log_path})"))
-    from latte_plugin.core.io import CheckpointError
+    from latte_plugin.storage import CheckpointError
 
     try:
         with quiet(log_path, enabled=not a.verbose):
@@ -135,7 +135,7 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
 def run(a: argparse.Namespace) -> dict:
     """Builds the Runner (without the hook: this job calibrates row by row), runs the rows and
     writes the report, the results file and the plots."""
-    from latte_plugin.core.io import atomic_write_json
+    from latte_plugin.storage import atomic_write_json
     from latte_plugin.mmdet.workflow import save_calibrated_checkpoint
     from latte_plugin.viz import plot_kept, plot_sensitivity
     from main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows

@@ -16,9 +16,9 @@ import torch
 from mmengine.logging import print_log
 
 from latte_plugin.console import say, set_label
-from latte_plugin.core.settings import LatteConfig
-from latte_plugin.core.flops import attention_gflops
-from latte_plugin.core.layer import find_latte_layers, set_modes
+from latte_plugin.calibration.config import LatteConfig
+from latte_plugin.ops.flops import attention_gflops
+from latte_plugin.nn.install import find_latte_layers, set_modes
 from latte_plugin.adapter import calibrate_ratios
 from latte_plugin.mmdet.calibrate import ADAPTER, calibrate_detector, detector_forward, unwrap
 from latte_plugin.mmdet.workflow import evaluate_bbox
@@ -129,7 +129,7 @@ def encoder_latency(model, batch, reps: int = 5) -> float:
 def shared_calibrations(base: LatteConfig, rows: list) -> dict[str, list]:
     """``{first row: [rows]}`` of the LATTE rows that differ only in ``ratio`` (no ``num_linear``,
     no ``target``): one calibration serves them all
-    (:func:`~latte_plugin.core.flow.calibrate_model_ratios`: every report equals its own
+    (:func:`~latte_plugin.calibration.flow.calibrate_model_ratios`: every report equals its own
     calibration's). Rows with equal settings are left to :func:`run_rows`' reuse."""
     groups: dict[str, list] = {}
     seen: set = set()
@@ -205,7 +205,7 @@ def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, t
     model = unwrap(runner.model)
     cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
     # the signal is the exact model's, the same for every row: measured by the first calibration only
-    cfg.signal = cfg.signal and not any(rep.get("signal") for rep in reports.values())
+    cfg = dataclasses.replace(cfg, signal=cfg.signal and not any(rep.get("signal") for rep in reports.values()))
     layers = find_latte_layers(model)
     t_cal = 0.0
     if row.kind == "latte":

@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     if not a.detectron2_src:
         raise SystemExit("give --detectron2-src (a detectron2 checkout or source archive) or set LATTE_DETECTRON2_SRC")
     from latte_plugin.console import say
-    from latte_plugin.core.io import atomic_write_json
+    from latte_plugin.storage import atomic_write_json
 
     os.makedirs(a.work_dir, exist_ok=True)
     script = d2_script(a.detectron2_src, tempfile.mkdtemp())

@@ -177,7 +177,7 @@ def families_table() -> str:
         tests = "equality, candidates, loss, mmdet + detectron2 configs" + (f", {onnx[r['family']]}" if r["family"] in onnx else "")
         rows.append([f"`{r['family']}`", r["architecture"], f"{r['size'][0]}x{r['size'][1]}", what,
                      ", ".join(exact) or "-", tokens, tests])
-    head = ["family", "architecture (configs/hf/coco)", "default input", "candidates (global softmax)",
+    head = ["family", "architecture (latte_plugin/resources/architectures)", "default input", "candidates (global softmax)",
             "kept exact", "tokens per candidate part", "tested"]
     return (_table(head, rows) + "\n\nmmdet: `configs/mmdet/hf_<architecture>_latte_coco.py`; detectron2: "
             "`configs/detectron2/hf_<architecture>_latte_coco.py`. Tests: `tests/test_hf_detectors.py`, "
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
             print(f"{name} is stale: run python tools/evidence/readme_tables.py\n{diff}")
             stale = 1
             continue
-        from latte_plugin.core.io import atomic_write
+        from latte_plugin.storage import atomic_write
 
         atomic_write(page, lambda f, new=new: f.write(new.encode("utf-8")))
         print(f"{name}: tables regenerated")

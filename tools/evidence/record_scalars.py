@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     p.add_argument("checkpoints", nargs="+", metavar="NAME=CKPT", help="a name and a calibrated checkpoint")
     p.add_argument("--out", default=os.path.join(ROOT, "tests", "data", "calibrated_scalars.json"))
     a = p.parse_args(argv)
-    from latte_plugin.core.io import CheckpointError, atomic_write_json, check_readable
+    from latte_plugin.storage import CheckpointError, atomic_write_json, check_readable
 
     rows = []
     for item in a.checkpoints:

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     if rc != 0:
         print(f"[record_timing] exit {rc}: not recorded", file=sys.stderr)
         return rc
-    from latte_plugin.core.io import atomic_write_json
+    from latte_plugin.storage import atomic_write_json
 
     data = json.load(open(a.out)) if os.path.exists(a.out) else {"rows": []}
     # the user-visible command: the environment that matters is in 'machine'

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
 
 import sequence_task as task  # noqa: E402
 from latte_plugin import linearize, swap_attention  # noqa: E402
-from latte_plugin.core.layer import find_latte_layers, set_modes  # noqa: E402
+from latte_plugin.nn.install import find_latte_layers, set_modes
 from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch  # noqa: E402
 
 CANDIDATES = ["encoder.layers.*.self_attn"]
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
               "calibration": {b: f"{c // p} batches of {p} sequence(s) (seed 3)" for b, (c, p) in BUDGETS.items()},
               "test": "2000 sequences (seed 7)", "rows": rows}
     if a.results:
-        from latte_plugin.core.io import atomic_write_json
+        from latte_plugin.storage import atomic_write_json
 
         atomic_write_json(result, a.results)
     return result

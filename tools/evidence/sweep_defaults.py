@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
 
-from latte_plugin.core.io import atomic_write_json  # noqa: E402
+from latte_plugin.storage import atomic_write_json
 
 MODELS = {"cond_detr": ("configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py", "checkpoints/cond_detr_r18_synthetic.pth"),
           "rtdetr": ("configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py", "checkpoints/rtdetr_r18_synthetic.pth")}

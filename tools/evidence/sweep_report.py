@@ -120,7 +120,7 @@ def plot(entries: list[dict], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from latte_plugin.core.io import atomic_write
+    from latte_plugin.storage import atomic_write
 
     cs = cells(entries)
     models = [m for m, _ in MODELS if any(c["model"] == m for c in cs)]

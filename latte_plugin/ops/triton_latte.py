@@ -1,7 +1,7 @@
 """A fused LATTE inference kernel for GPUs (Triton), the fast path of calibrated ``latte`` and
 ``jpn_only`` layers on CUDA tensors.
 
-Same contract and results as :func:`latte_plugin.core.kernels.fused_latte_attention` (its
+Same contract and results as :func:`latte_plugin.ops.latte.fused_latte_attention` (its
 eager reference; both are tested against the naive composition). Two launches:
 
 1. ``_kv_kernel``, one program per (batch, head, slice of the keys): streams its keys in
@@ -23,8 +23,8 @@ the numerator and the denominator use the same rounded features.
 Supported: float32, float16, bfloat16; head dims that are powers of two from 16 to 128.
 On CPU tensors it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the
 tests check it without a GPU (there, bfloat16 inputs take the float32 dot: the interpreter's
-bfloat16 ``tl.dot`` is wrong, so the bfloat16 tensor-core dot is checked on a GPU only). ``LATTE_KERNEL=eager`` (or :func:`set_enabled`) forces the
-eager path everywhere.
+bfloat16 ``tl.dot`` is wrong, so the bfloat16 tensor-core dot is checked on a GPU only). ``backend='eager'`` (``LATTE_KERNEL=eager``, read once per layer)
+or :func:`set_enabled` forces the eager path.
 """
 from __future__ import annotations
 
@@ -47,13 +47,14 @@ _EPS = 1e-6
 
 
 def set_enabled(enabled: bool) -> None:
-    """Turns the Triton path on or off for this process (``LATTE_KERNEL=eager`` does the same)."""
+    """Turns the Triton path on or off for this process (a layer's ``backend='eager'`` does so per layer)."""
     global _ENABLED
     _ENABLED = bool(enabled)
 
 
 def available() -> bool:
-    return triton is not None and _ENABLED and os.environ.get("LATTE_KERNEL", "auto") != "eager"
+    """Whether Triton is installed and the path is not turned off (:func:`set_enabled`)."""
+    return triton is not None and _ENABLED
 
 
 def _pow2_in_range(x: int) -> bool:
@@ -165,7 +166,7 @@ def triton_latte_attention(
     key_padding_mask: Optional[Tensor] = None, eps: float = _EPS, block_m: int = 64, block_n: int = 64,
     splits: Optional[int] = None,
 ) -> Tensor:
-    """Fused LATTE attention: the same contract as :func:`kernels.fused_latte_attention`.
+    """Fused LATTE attention: the same contract as :func:`~latte_plugin.ops.latte.fused_latte_attention`.
 
     Args:
         q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``; one dtype.
@@ -179,7 +180,7 @@ def triton_latte_attention(
         ``(B, H, N, d_v)`` in the input dtype.
     """
     if triton is None:
-        raise RuntimeError("triton is not installed; use kernels.fused_latte_attention")
+        raise RuntimeError("triton is not installed; use latte_plugin.ops.latte.fused_latte_attention")
     if not supported(q, k, v):
         raise ValueError(f"the Triton LATTE kernel takes float32/16/bf16 (one dtype) and power-of-two head dims "
                          f"16..128; got {q.dtype}/{k.dtype}/{v.dtype}, d={q.shape[-1]}, d_v={v.shape[-1]}")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 __all__ = ["atomic_write", "atomic_write_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint",
            "REPORT_NAME", "CKPT_NAME", "CheckpointError", "check_readable", "check_keys", "check_checkpoint",
-           "key_mismatch", "shape_mismatch", "ALLOWED_MISMATCH"]
+           "key_mismatch", "shape_mismatch", "ALLOWED_MISMATCH", "latte_layers_in", "check_latte_candidates",
+           "checkpoint_state"]
 
 #: File names the tools write into a work dir.
 REPORT_NAME = "latte_report.json"
@@ -37,7 +38,8 @@ def check_readable(path: str) -> None:
                               "torch.save (mmdet, detectron2 or tools/calibrate.py)") from None
 
 
-def _state_of(checkpoint: Any) -> dict:
+def checkpoint_state(checkpoint: Any) -> dict:
+    """The state dict inside a checkpoint (mmengine's ``state_dict``, detectron2's ``model``, or a bare one)."""
     if isinstance(checkpoint, dict):
         for key in ("state_dict", "model"):
             if isinstance(checkpoint.get(key), dict):
@@ -65,11 +67,37 @@ def shape_mismatch(model_state: dict, ckpt_state: dict) -> list[str]:
     return sorted(out)
 
 
+def latte_layers_in(keys: Iterable[str]) -> set[str]:
+    """The layers holding LATTE state among state-dict ``keys``: each key's part before
+    ``.latte.`` (a ``module.`` prefix ignored)."""
+    keys = (k[len("module."):] if k.startswith("module.") else k for k in keys)
+    return {k.rsplit(".latte.", 1)[0] for k in keys if ".latte." in k}
+
+
+def check_latte_candidates(model_keys: Iterable[str], checkpoint_keys: Iterable[str], path: str) -> None:
+    """The one rule of both frameworks: a checkpoint that holds LATTE state was calibrated for
+    this config's candidates only if it holds that state for exactly the layers this model has
+    LATTE layers in; a checkpoint without LATTE state (the pretrained model) always fits.
+
+    Raises:
+        CheckpointError: one line naming ``path``, the layers that differ and what to do.
+    """
+    ours, theirs = latte_layers_in(model_keys), latte_layers_in(checkpoint_keys)
+    if not theirs or theirs == ours:
+        return
+    extra, missing = sorted(theirs - ours), sorted(ours - theirs)
+    raise CheckpointError(
+        f"{path} was calibrated for other LATTE candidates ({len(extra)} calibrated layer(s) this config does not "
+        f"name, e.g. {', '.join(extra[:2]) or '-'}; {len(missing)} named layer(s) without state, e.g. "
+        f"{', '.join(missing[:2]) or '-'}): it comes from another model or config; re-run tools/calibrate.py for "
+        "this config")
+
+
 def check_keys(model: torch.nn.Module, checkpoint: Any, path: str, hint: str = "allow_partial_load=True") -> None:
     """Raises :class:`CheckpointError` when the checkpoint does not fit the model: keys that do
     not match (beyond LATTE's buffers) or tensors of another shape (e.g. another ``num_classes``
     or ``embed_dims``, which mmengine would skip with a warning). It comes from another model or config."""
-    model_state, state = model.state_dict(), _state_of(checkpoint)
+    model_state, state = model.state_dict(), checkpoint_state(checkpoint)
     missing, unexpected = key_mismatch(list(model_state), list(state))
     if missing or unexpected:
         raise CheckpointError(mismatch_message(path, missing, unexpected, hint))

@@ -1,97 +1,33 @@
-"""LATTE attention math as small pure functions (the method: ``docs/method.md``).
+"""LATTE attention math, fast paths (the method: ``docs/method.md``).
 
 Every tensor is laid out per head: ``q`` is ``(B, H, N, d)``, ``k`` is ``(B, H, M, d)``,
 ``v`` is ``(B, H, M, d_v)``. ``key_padding_mask`` is ``(B, M)`` with ``True`` marking a
-padded key (the torch / mmcv convention). Each fast path has a ``naive_`` reference
-beside it that materialises the full ``N x M`` score matrix; tests compare the two.
+padded key (the torch / mmcv convention). The plain references are in
+:mod:`latte_plugin.ops.naive`; tests compare the two. :func:`latte_attention` picks the
+kernel of the linear path with one ``backend`` argument.
 
 Nothing here imports a detection framework.
 """
 from __future__ import annotations
 
-import math
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = [
-    "VARIANTS",
-    "naive_softmax_attention",
-    "softmax_attention",
-    "taylor_exact_feature_map",
-    "taylor_kernel",
-    "psi_diag",
-    "qtvit_feature_map",
-    "jpn_normalize",
-    "augment",
-    "variant_features",
-    "naive_linear_attention",
-    "linear_attention",
-    "bool_attn_mask",
-    "uniform_attention",
-    "fused_latte_attention",
-    "compiled_fused_latte_attention",
-]
+from .masks import additive_mask
+
+__all__ = ["VARIANTS", "BACKENDS", "softmax_attention", "taylor_exact_feature_map", "taylor_kernel", "psi_diag",
+           "qtvit_feature_map", "jpn_normalize", "augment", "variant_features", "linear_attention",
+           "uniform_attention", "fused_latte_attention", "compiled_fused_latte_attention", "latte_attention",
+           "resolve_backend"]
 
 #: The four variants (``docs/method.md#variants``), by name.
 VARIANTS = ("qtvit", "jpn_only", "tte_only", "latte")
 
+
 _EPS = 1e-6
-
-
-def _additive_mask(
-    key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], dtype: torch.dtype
-) -> Optional[Tensor]:
-    """Combines the masks into one additive float mask broadcastable to ``(B, H, N, M)``."""
-    bias = None
-    if key_padding_mask is not None:
-        bias = torch.zeros(key_padding_mask.shape, dtype=dtype, device=key_padding_mask.device)
-        bias = bias.masked_fill(key_padding_mask, float("-inf"))[:, None, None, :]
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            am = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
-                attn_mask, float("-inf")
-            )
-        else:
-            am = attn_mask.to(dtype)
-        if am.dim() == 2:  # (N, M)
-            am = am[None, None]
-        elif am.dim() != 4:
-            raise ValueError(
-                f"attn_mask must be (N, M) or (B, H, N, M), got shape {tuple(attn_mask.shape)}; "
-                "reshape a (B*H, N, M) mask to (B, H, N, M) first"
-            )
-        bias = am if bias is None else bias + am
-    return bias
-
-
-def naive_softmax_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
-                            attn_mask: Optional[Tensor] = None) -> Tensor:
-    """Reference softmax attention (``docs/method.md#softmax``), computed in float64-free plain torch.
-
-    Args:
-        q: ``(B, H, N, d)``.
-        k: ``(B, H, M, d)``.
-        v: ``(B, H, M, d_v)``.
-        key_padding_mask: ``(B, M)`` bool, ``True`` = padded key.
-        attn_mask: ``(N, M)`` or ``(B, H, N, M)``; bool (``True`` = masked) or additive.
-
-    Returns:
-        ``(B, H, N, d_v)``. A row whose keys are all masked returns zeros.
-    """
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    bias = _additive_mask(key_padding_mask, attn_mask, scores.dtype)
-    if bias is not None:
-        scores = scores + bias
-    # A fully masked row has max -inf; define its output as zeros instead of NaN.
-    row_max = scores.amax(dim=-1, keepdim=True)
-    dead = torch.isinf(row_max) & (row_max < 0)
-    scores = scores - torch.where(dead, torch.zeros_like(row_max), row_max)
-    weights = torch.exp(scores)
-    denom = weights.sum(dim=-1, keepdim=True)
-    weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return weights @ v
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
@@ -100,7 +36,7 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optiona
 
     Fully masked rows return zeros, as in :func:`naive_softmax_attention`.
     """
-    bias = _additive_mask(key_padding_mask, attn_mask, q.dtype)
+    bias = additive_mask(key_padding_mask, attn_mask, q.dtype)
     if bias is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
     dead = torch.isinf(bias).all(dim=-1, keepdim=True)  # (B, 1|H, 1|N, 1)
@@ -162,17 +98,6 @@ def jpn_normalize(feat: Tensor, delta: Tensor | float, eps: float = _EPS) -> Ten
     return delta * feat / (feat.norm(dim=-1, keepdim=True) + eps)
 
 
-def naive_jpn_similarity(
-    fq: Tensor, fk: Tensor, delta_q: float, delta_k: float, eps: float = _EPS
-) -> Tensor:
-    """JPN in the paper's joint form ``delta_q delta_k <q2, k2> / h'(q, k)^2``: ``(..., N, M)``.
-
-    Reference for :func:`jpn_normalize`; ``fq`` is ``(..., N, F)``, ``fk`` is ``(..., M, F)``.
-    """
-    h2 = (fq.norm(dim=-1, keepdim=True) + eps) * (fk.norm(dim=-1, keepdim=True) + eps).transpose(-1, -2)
-    return delta_q * delta_k * (fq @ fk.transpose(-1, -2)) / h2
-
-
 def augment(feat: Tensor, beta: Tensor | float) -> Tensor:
     """Appends the augmentation column ``beta`` (``docs/method.md#linear-form``): ``(..., F)`` to ``(..., F + 1)``."""
     col = torch.as_tensor(beta, dtype=feat.dtype, device=feat.device).expand(*feat.shape[:-1], 1)
@@ -188,7 +113,6 @@ def variant_features(
     delta_k: Tensor | float,
     beta_q: Tensor | float,
     beta_k: Tensor | float,
-    eps: float = _EPS,
 ) -> tuple[Tensor, Tensor]:
     """Feature maps ``Q^``, ``K^`` of one variant (``docs/method.md#variants``), beta column included.
 
@@ -206,81 +130,26 @@ def variant_features(
     """
     if variant == "latte":
         fq, fk = psi_diag(q, m), psi_diag(k, m)
-        fq, fk = jpn_normalize(fq, delta_q, eps), jpn_normalize(fk, delta_k, eps)
+        fq, fk = jpn_normalize(fq, delta_q, _EPS), jpn_normalize(fk, delta_k, _EPS)
     elif variant == "jpn_only":
         fq, fk = psi_diag(q, 1.0), psi_diag(k, 1.0)
-        fq, fk = jpn_normalize(fq, delta_q, eps), jpn_normalize(fk, delta_k, eps)
+        fq, fk = jpn_normalize(fq, delta_q, _EPS), jpn_normalize(fk, delta_k, _EPS)
     elif variant == "tte_only":
         d = q.shape[-1]
         # Pre-normalise to the sqrt(d)-sphere's d^(1/4) scale so that psi_m's anchor keeps its units.
-        qn = q / (q.norm(dim=-1, keepdim=True) + eps) * d**0.5
-        kn = k / (k.norm(dim=-1, keepdim=True) + eps) * d**0.5
+        qn = q / (q.norm(dim=-1, keepdim=True) + _EPS) * d**0.5
+        kn = k / (k.norm(dim=-1, keepdim=True) + _EPS) * d**0.5
         fq, fk = psi_diag(qn, m), psi_diag(kn, m)
-        fq, fk = jpn_normalize(fq, delta_q, eps), jpn_normalize(fk, delta_k, eps)
+        fq, fk = jpn_normalize(fq, delta_q, _EPS), jpn_normalize(fk, delta_k, _EPS)
     elif variant == "qtvit":
-        fq = jpn_normalize(qtvit_feature_map(q, eps), delta_q, eps)
-        fk = jpn_normalize(qtvit_feature_map(k, eps), delta_k, eps)
+        fq = jpn_normalize(qtvit_feature_map(q, _EPS), delta_q, _EPS)
+        fk = jpn_normalize(qtvit_feature_map(k, _EPS), delta_k, _EPS)
     else:
         raise ValueError(f"unknown LATTE variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     return augment(fq, beta_q), augment(fk, beta_k)
 
 
 # ----------------------------------------------------------------------------- linear attention
-
-
-def naive_linear_attention(
-    fq: Tensor,
-    fk: Tensor,
-    v: Tensor,
-    key_padding_mask: Optional[Tensor] = None,
-    attn_mask: Optional[Tensor] = None,
-) -> Tensor:
-    """Reference kernel attention with the full score matrix ``S = fq fk^T``.
-
-    It is also the path for a general (e.g. causal) mask, which the factorised
-    :func:`linear_attention` cannot honour: masked pairs get zero weight in both sums.
-
-    Args:
-        fq: ``(B, H, N, F)`` non-negative-score features; fk: ``(B, H, M, F)``; v: ``(B, H, M, d_v)``.
-        key_padding_mask: ``(B, M)``, ``True`` = padded key (removed from both sums).
-        attn_mask: bool, broadcastable to ``(B, H, N, M)``, ``True`` = masked pair.
-
-    Returns:
-        ``(B, H, N, d_v)``; rows with no valid key return zeros.
-    """
-    scores = fq @ fk.transpose(-1, -2)
-    if key_padding_mask is not None:
-        scores = scores.masked_fill(key_padding_mask[:, None, None, :], 0.0)
-    if attn_mask is not None:
-        scores = scores.masked_fill(attn_mask, 0.0)
-    denom = scores.sum(dim=-1, keepdim=True)
-    return (scores @ v) / torch.where(denom != 0, denom, torch.ones_like(denom))
-
-
-def bool_attn_mask(attn_mask: Optional[Tensor]) -> Optional[Tensor]:
-    """An attention mask as bool (``True`` = masked), or ``None`` if it masks nothing.
-
-    Accepts bool masks and additive float masks made of 0 and very negative values
-    (``-inf`` or the dtype's minimum). A ``(N, M)`` mask becomes ``(1, 1, N, M)``.
-
-    Raises:
-        ValueError: for a float mask holding other values (additive biases such as ALiBi),
-            which no kernel feature map can reproduce.
-    """
-    if attn_mask is None:
-        return None
-    if attn_mask.dtype == torch.bool:
-        masked = attn_mask
-    else:
-        masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
-        if not bool(((attn_mask == 0) | masked).all()):
-            raise ValueError(
-                f"LATTE linear attention cannot honour an additive attention bias (attn_mask of shape "
-                f"{tuple(attn_mask.shape)} holds values other than 0 / -inf); keep this layer exact"
-            )
-    if not bool(masked.any()):
-        return None
-    return masked[None, None] if masked.dim() == 2 else masked
 
 
 def linear_attention(
@@ -384,3 +253,46 @@ def compiled_fused_latte_attention():
     if _COMPILED is None:
         _COMPILED = torch.compile(fused_latte_attention, dynamic=True)
     return _COMPILED
+
+
+#: Kernels of the fused linear path: ``auto`` (Triton on supported CUDA tensors, else eager),
+#: ``eager`` (never Triton), ``compiled`` (``torch.compile`` on CPU; Triton on CUDA), ``triton``
+#: (the Triton kernel wherever it takes the tensors, CPU ones under ``TRITON_INTERPRET=1``).
+BACKENDS = ("auto", "eager", "compiled", "triton")
+
+
+def resolve_backend(setting: Optional[str] = None) -> str:
+    """The backend a layer keeps: ``setting``, else the ``LATTE_KERNEL`` environment variable,
+    else ``auto``. Called once, when a layer is built or loaded; never per forward.
+
+    Raises:
+        ValueError: an unknown backend (names the setting and the choices).
+    """
+    name = setting or os.environ.get("LATTE_KERNEL") or "auto"
+    if name not in BACKENDS:
+        source = "backend" if setting else "LATTE_KERNEL"
+        raise ValueError(f"{source}={name!r} is not a LATTE kernel backend; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def _triton_takes(q: Tensor, k: Tensor, v: Tensor, backend: str) -> bool:
+    if backend == "eager" or (backend != "triton" and not q.is_cuda):
+        return False
+    try:
+        from . import triton_latte
+    except ImportError:  # pragma: no cover
+        return False
+    return triton_latte.available() and triton_latte.supported(q, k, v)
+
+
+def latte_attention(q: Tensor, k: Tensor, v: Tensor, m: Tensor | float, rho: Tensor | float,
+                    key_padding_mask: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
+    """Fused LATTE attention by ``backend`` (:data:`BACKENDS`): the contract of
+    :func:`fused_latte_attention`, whichever kernel runs (all tested against it)."""
+    if _triton_takes(q, k, v, backend):
+        from . import triton_latte
+
+        return triton_latte.triton_latte_attention(q, k, v, m, rho, key_padding_mask)
+    if backend == "compiled" and not torch.jit.is_tracing():
+        return compiled_fused_latte_attention()(q, k, v, m, rho, key_padding_mask)
+    return fused_latte_attention(q, k, v, m, rho, key_padding_mask)

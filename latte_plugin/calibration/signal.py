@@ -4,7 +4,7 @@ layer exact.
 
 A layer whose branch the network ignores scores ~0: linearizing it cannot lose accuracy, and
 so it is no evidence that linear attention works; a layer the network needs scores high. The
-figure is the relative raw-output distortion of :class:`~latte_plugin.core.fidelity.RawDistortion`
+figure is the relative raw-output distortion of :class:`~latte_plugin.calibration.measures.RawDistortion`
 (squared change over the exact outputs' energy), summed over the images and across processes.
 """
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .fidelity import RawDistortion
-from .layer import LatteParams, set_modes
+from ..nn.install import set_modes
+from ..nn.params import LatteParams
+from .measures import RawDistortion
+from .taps import exact_taps
 
 __all__ = ["attention_signal", "naive_attention_signal", "attention_entropy", "attention_sharpness"]
 
@@ -27,7 +29,7 @@ def attention_signal(layers: dict[str, LatteParams], batches: Sequence[Any], for
     """``{layer: relative raw-output change with that layer uniform}``; the layers' modes are restored.
 
     Args:
-        layers: the LATTE layers (:func:`~latte_plugin.core.layer.find_latte_layers`).
+        layers: the LATTE layers (:func:`~latte_plugin.nn.install.find_latte_layers`).
         batches: this process's images (one batch each).
         forward: runs one batch; returns raw outputs (tensors, nested ok).
         all_reduce: sums a tensor across processes in place (``None``: one process).
@@ -80,17 +82,18 @@ def attention_entropy(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] =
 def attention_sharpness(layers: dict[str, LatteParams], batches: Sequence[Any],
                         forward: Callable[[Any], Any]) -> dict[str, float]:
     """``{layer: mean normalised attention entropy}`` of the exact model (:func:`attention_entropy`,
-    averaged over the batches); the layers' modes and recorders are restored. Near 1 means the
+    averaged over the batches); the layers' modes are restored. Near 1 means the
     layer attends almost uniformly, so the uniform control barely changes it."""
-    saved = {name: (layer.mode, layer.recorder) for name, layer in layers.items()}
+    saved = {name: layer.mode for name, layer in layers.items()}
     entropies: dict[str, list[float]] = {name: [] for name in layers}  # one per forward of each layer
+    taps = {name: (lambda q, k, v, kpm, out, _n=name, **kw: entropies[_n].append(attention_entropy(q, k, kpm)))
+            for name in layers}
     try:
         set_modes(layers, [])
-        for name, layer in layers.items():
-            layer.recorder = lambda q, k, v, kpm, out, _n=name, **kw: entropies[_n].append(attention_entropy(q, k, kpm))
-        for batch in batches:
-            forward(batch)
+        with exact_taps(layers, taps):
+            for batch in batches:
+                forward(batch)
         return {name: sum(v) / len(v) for name, v in entropies.items() if v}
     finally:
         for name, layer in layers.items():
-            layer.mode, layer.recorder = saved[name]
+            layer.mode = saved[name]

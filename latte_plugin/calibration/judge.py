@@ -11,45 +11,22 @@ correction fitted on it (``docs/method.md#calibration``, ``docs/method.md#cross-
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .calibration import CROSS_FIT_FOLDS, AllReduce, FittedCorrection, assign_folds, set_correction
-from .fidelity import RawDistortion
-from .layer import LatteParams, set_modes
-from .settings import LatteConfig
+from ..nn.install import set_modes
+from ..nn.params import LatteParams
+from .config import CROSS_FIT_FOLDS, LatteConfig
+from .context import ROLES, AllReduce, CalibrationSplit, Measure
+from .corrections import FittedCorrection, assign_folds, set_correction
+from .measures import RawDistortion
 
-__all__ = ["ROLES", "CalibrationSplit", "image_role", "compares_configurations", "split_calibration",
+__all__ = ["image_role", "compares_configurations", "split_calibration",
            "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "merged", "cross_fitted", "CrossFitJudge",
            "HalfSearch", "across_halves", "on_every_image", "configuration_judge"]
-
-
-#: The roles of calibration images: fitted on; choosing the knobs; only reporting held-out errors.
-ROLES = ("fit", "choose", "report")
-
-
-@dataclass
-class CalibrationSplit:
-    """This rank's calibration batches by role, each as ``(global position, batch)``.
-
-    The roles come from the global position alone (:func:`image_role`), so the split is the
-    same whatever the number of processes. ``used`` (the fit and choice images) is dealt to
-    ``halves``: two when whole configurations are compared (each half searches, the other
-    judges: ``docs/method.md#configurations``), else one. ``greedy[i]``: the images of half
-    ``i`` the greedy and backward searches compare outputs on (a search over every image
-    measures on all of them together).
-    """
-
-    fit: list = field(default_factory=list)
-    choose: list = field(default_factory=list)
-    report: list = field(default_factory=list)
-    used: list = field(default_factory=list)
-    halves: list = field(default_factory=list)
-    greedy: list = field(default_factory=list)
-    counts: dict = field(default_factory=dict)
 
 
 def image_role(position: int, holdout: float) -> str:
@@ -106,7 +83,7 @@ def output_distortion(layers: dict[str, LatteParams], batches: list, forward: Ca
     return measured(layers, batches, RawDistortion(forward, relative), reduce)
 
 
-def measured(layers: dict[str, LatteParams], batches: list, measure: Any,
+def measured(layers: dict[str, LatteParams], batches: list, measure: Measure,
              reduce: AllReduce) -> Callable[[list[str]], float]:
     """``linear layers -> measure's loss`` on ``batches`` (``(position, batch)``, summed across ranks)."""
     set_modes(layers, [])
@@ -136,24 +113,24 @@ def fold_assignment(split: CalibrationSplit, cfg: LatteConfig, reduce: AllReduce
 @dataclass
 class Verdict:
     """A linear set's loss on the judging images: the whole set's, and each image's (for the
-    paired comparisons of :mod:`~latte_plugin.core.choice`)."""
+    paired comparisons of :mod:`~latte_plugin.calibration.select`)."""
 
     loss: float
     per_image: Tensor  # (images,) in global position order
     sums: Optional[Tensor] = None  # the measure's sums over the images (verdicts on disjoint images add up)
 
 
-def merged(verdicts: Sequence[Verdict], measure: Any) -> Verdict:
+def merged(verdicts: Sequence[Verdict], measure: Measure) -> Verdict:
     """One verdict from verdicts on disjoint image sets (per-image losses concatenated)."""
     total = sum((v.sums for v in verdicts), measure.zeros())
     return Verdict(measure.loss(total), torch.cat([v.per_image for v in verdicts]), total)
 
 
-def cross_fitted(layers: dict[str, LatteParams], corrections: dict[str, FittedCorrection], batches: list,
-                 fold_of: dict[int, int], measure: Any, reduce: AllReduce, refs: list) -> Callable[[list[str]], Verdict]:
+def cross_fitted(layers: dict[str, LatteParams], corrections: Mapping[str, FittedCorrection], batches: list,
+                 fold_of: dict[int, int], measure: Measure, reduce: AllReduce, refs: list) -> Callable[[list[str]], Verdict]:
     """``linear layers -> Verdict`` of ``measure`` on ``batches``, each image run with every linear
     layer's output correction chosen and fitted *without* that image's fold
-    (:class:`~latte_plugin.core.calibration.FittedCorrection`), so no image judges a correction
+    (:class:`~latte_plugin.calibration.corrections.FittedCorrection`), so no image judges a correction
     fitted on it. The full corrections are restored afterwards. ``refs``: the exact model's
     ``measure.run`` of each batch (:class:`CrossFitJudge` keeps them).
 
@@ -196,7 +173,7 @@ class CrossFitJudge:
         self._refs: dict[str, list] = {}
         self._memo: dict[tuple, Verdict] = {}
 
-    def __call__(self, measure: Any, corrections: dict[str, FittedCorrection],
+    def __call__(self, measure: Measure, corrections: Mapping[str, FittedCorrection],
                  key: Optional[str] = None) -> Callable[[list[str]], Verdict]:
         """``linear layers -> Verdict`` under ``corrections``; remembered (by the corrections'
         signatures) unless ``key`` is None."""
@@ -240,7 +217,7 @@ class HalfSearch:
     traces: dict
 
 
-def across_halves(halves: list, measure: Any, corrections: dict, rule: str, method: str, k: int) -> Verdict:
+def across_halves(halves: list, measure: Measure, corrections: Any, rule: str, method: str, k: int) -> Verdict:
     """A (method, rule) pair judged on every image, each half with the set the *other* half's
     search found (with one half: its own), each image with its fold's corrections."""
     n = len(halves)
@@ -248,15 +225,15 @@ def across_halves(halves: list, measure: Any, corrections: dict, rule: str, meth
                    for i, h in enumerate(halves)], measure)
 
 
-def on_every_image(halves: list, measure: Any, corrections: dict, key: str, layers: list[str]) -> Verdict:
+def on_every_image(halves: list, measure: Measure, corrections: Mapping[str, FittedCorrection], key: str, layers: list[str]) -> Verdict:
     """``layers`` judged on every fit and choice image with ``corrections`` (cross-fitted)."""
     return merged([h.judge(measure, corrections, key)(layers) for h in halves], measure)
 
 
-def configuration_judge(cfg: LatteConfig, forward: Callable[[Any], Any], detections: Optional[Any]) -> Any:
+def configuration_judge(cfg: LatteConfig, forward: Callable[[Any], Any], detections: Optional[Measure]) -> Measure:
     """The measure that judges whole configurations and the compensation (``cfg.judge``): the
     raw-output MSE, or ``detections`` (the detector adapter's
-    :class:`~latte_plugin.core.fidelity.DetectionDisagreement`; ``None`` for other models).
+    :class:`~latte_plugin.calibration.measures.DetectionDisagreement`; ``None`` for other models).
 
     Raises:
         ValueError: ``judge='detections'`` on a model without a detector's post-processing.

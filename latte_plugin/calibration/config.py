@@ -1,24 +1,23 @@
 """The user's settings: :class:`LatteConfig` (the same keys in every adapter and as
-``tools/calibrate.py`` flags), their closed vocabularies, and the two decisions every adapter
-makes with them when a model is built: calibrate now (:func:`needs_calibration`), or apply the
-inference-time settings to a loaded calibration (:func:`apply_inference_settings`).
+``tools/calibrate.py`` flags), every closed vocabulary and every default, in one place.
 
+A ``LatteConfig`` is frozen and validated once, when it is built (:meth:`LatteConfig.from_dict`
+at each entry point): a calibration never sees an invalid one, and no step validates again.
+The two decisions every adapter makes with a config when a model is built (calibrate now, or
+apply the inference settings to a loaded calibration) are in :mod:`latte_plugin.calibration.state`.
 The method behind each setting: ``docs/method.md``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from torch import nn
+from ..ops import BACKENDS, VARIANTS
 
-from .calibration import CORRECTIONS, REFIT_REGS
-from .kernels import VARIANTS
-from .layer import find_latte_layers, set_modes
-from .selection import num_linear_layers
-
-__all__ = ["LatteConfig", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES", "INFERENCE_MODES", "needs_calibration",
-           "apply_inference_settings"]
+__all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES",
+           "INFERENCE_MODES", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
+           "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "num_linear_layers"]
 
 #: Layer selections; ``auto`` compares the others as parts of whole configurations, judged end to
 #: end by cross-fitting (``core.choice``).
@@ -36,6 +35,27 @@ JUDGES = ("outputs", "detections", "auto")
 INFERENCE_MODES = ("linear", "dynamic")
 
 
+#: L-BFGS iteration counts compared on the choice items (capped at ``steps``).
+STEP_CHECKPOINTS = (5, 10, 20, 40, 80)
+#: Ridge strengths of the output refit, relative to the mean energy of its inputs.
+REFIT_REGS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+#: Ridge strength used when fewer than two folds hold images to choose it by cross-fitting
+#: (the more cautious of the values chosen on the embedded models: docs/results.md).
+REFIT_FALLBACK = 0.01
+#: Output corrections: none, the paper's per-channel sigma, the ridge refit of the whole output,
+#: or ``auto``: the one of these (refit at each strength) with the lowest cross-fitted error.
+CORRECTIONS = ("none", "sigma", "refit", "auto")
+#: The correction rules whole configurations compare under ``correction='auto'`` (the paper's sigma
+#: first: the reference the others must beat).
+CORRECTION_RULES = ("sigma", "refit", "auto")
+#: Folds of the cross-fitting behind ``correction='auto'``.
+CROSS_FIT_FOLDS = 4
+
+
+#: Selections compared by ``selection='auto'``, the paper's score first (it wins ties).
+AUTO_SELECTIONS = ("score", "greedy", "backward")
+
+
 def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> Any:
     """A ``LatteConfig`` field with its help text (and choices) as metadata: the one place that
     ``tools/calibrate.py``'s flags, ``--help`` and the docs read them from."""
@@ -45,7 +65,7 @@ def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> An
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LatteConfig:
     """Everything a user sets for LATTE; the same keys in every adapter (mmdet ``LinearizeHook``,
     detectron2 ``model.latte`` and ``LinearizeHook``, :func:`latte_plugin.linearize`) and, as
@@ -108,6 +128,20 @@ class LatteConfig:
     seed: int = _opt(0, "seeds the calibration sampler and the recorders' keyed sampling")
     calibrate: str = _opt("auto", "auto (only if the model holds no LATTE state), always, or never (an "
                                   "uncalibrated model is an error)", CALIBRATE)
+    backend: Optional[str] = _opt(None, "kernel of the linear layers: auto (Triton on CUDA, else eager), eager, "
+                                        "compiled (torch.compile on CPU) or triton; default: the LATTE_KERNEL "
+                                        "environment variable, else auto; chosen once when the layers are built "
+                                        "or loaded; applies to a loaded calibration too", BACKENDS)
+
+    def __post_init__(self) -> None:
+        # the two fields that take a single value for convenience, normalised once
+        if isinstance(self.refit_reg, (int, float)):
+            object.__setattr__(self, "refit_reg", (float(self.refit_reg),))
+        if isinstance(self.candidates, str):
+            object.__setattr__(self, "candidates", (self.candidates,))
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        object.__setattr__(self, "refit_reg", tuple(self.refit_reg))
+        self.validate()
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
@@ -115,7 +149,7 @@ class LatteConfig:
         return {f.name: f.metadata.get("help", "") for f in fields(cls)}
 
     def validate(self) -> "LatteConfig":
-        """Checks every field; raises ``ValueError`` naming the bad one."""
+        """Checks every field (done once, at construction); raises ``ValueError`` naming the bad one."""
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown LATTE variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if self.selection not in SELECTIONS:
@@ -136,8 +170,8 @@ class LatteConfig:
             num_linear_layers(1, ratio=self.ratio)  # validates the ratio
         if not 0.0 <= float(self.holdout) < 1.0:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
-        if isinstance(self.refit_reg, (int, float)):
-            self.refit_reg = (float(self.refit_reg),)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (or unset), got {self.backend!r}")
         if not self.refit_reg or any(float(r) < 0 for r in self.refit_reg):
             raise ValueError(f"refit_reg must be non-empty and >= 0, got {self.refit_reg}")
         for name in ("num_images", "max_items", "max_queries", "greedy_images"):
@@ -145,8 +179,6 @@ class LatteConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if int(self.steps) < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
-        if isinstance(self.candidates, str):
-            self.candidates = (self.candidates,)
         if not self.candidates:
             raise ValueError("candidates is empty: name the attention modules to linearize by pattern")
         return self
@@ -159,7 +191,7 @@ class LatteConfig:
             raise ValueError("'refit' and 'fit_sigma' were replaced by correction='none'|'sigma'|'refit'")
         if unknown:
             raise ValueError(f"unknown LATTE setting(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d).validate()
+        return cls(**d)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -168,46 +200,18 @@ class LatteConfig:
         return d
 
 
-def needs_calibration(model: nn.Module, calibrate: str) -> bool:
-    """Whether a model with LATTE layers should calibrate now, under ``calibrate`` (:data:`CALIBRATE`).
+def num_linear_layers(num_candidates: int, ratio: Optional[float] = None, count: Optional[int] = None) -> int:
+    """How many candidates go linear: ``count`` if given, else ``ratio`` rounded half up.
 
     Raises:
-        ValueError: the layers are partly calibrated (a checkpoint made for other candidates),
-            or ``calibrate='never'`` and they are not calibrated.
+        ValueError: ratio outside (0, 1], count outside [0, num_candidates], or neither given.
     """
-    if calibrate not in CALIBRATE:
-        raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {calibrate!r}")
-    flags = [bool(layer.calibrated) for layer in find_latte_layers(model).values()]
-    if flags and any(flags) and not all(flags):
-        raise ValueError("the checkpoint holds LATTE state for some candidate layers but not others: it was "
-                         "calibrated with other candidates; re-run tools/calibrate.py for this config")
-    calibrated = bool(flags) and all(flags)
-    if calibrate == "never" and not calibrated:
-        raise ValueError("calibrate='never' but the model holds no calibrated LATTE state: load a checkpoint "
-                         "written by tools/calibrate.py, or set calibrate='auto'")
-    return calibrate == "always" or not calibrated
-
-
-def apply_inference_settings(model: nn.Module, cfg: LatteConfig, log: Callable[[str], None] = print) -> list[str]:
-    """Applies the inference-time settings to a model whose LATTE state was loaded, not calibrated now.
-
-    ``mode`` and ``threshold`` take effect at once on the layers the checkpoint made linear
-    (the rest stay exact). The other fields shape calibration; ``variant`` in particular is
-    kept as calibrated, and a different one is reported in one line (it needs ``calibrate='always'``).
-
-    Returns:
-        The linear (non-exact) layers, in model order.
-    """
-    layers = find_latte_layers(model)
-    linear = [n for n, layer in layers.items() if layer.mode != "exact"]
-    set_modes(layers, linear, cfg.mode)
-    for layer in layers.values():
-        layer.threshold.fill_(int(cfg.threshold))
-    loaded = sorted({layer.variant for layer in layers.values() if bool(layer.calibrated)})
-    if loaded and loaded != [cfg.variant]:
-        log(f"[latte] variant={cfg.variant!r} not applied: the checkpoint was calibrated with variant "
-            f"{', '.join(loaded)}, and the variant changes only by recalibrating (calibrate='always')")
-    log(f"[latte] using the calibrated LATTE state loaded from the checkpoint: {len(linear)} of {len(layers)} "
-        f"layers {cfg.mode}"
-        + (f" (softmax below {int(cfg.threshold)} keys)" if cfg.mode == "dynamic" else ""))
-    return linear
+    if count is not None:
+        if not 0 <= int(count) <= num_candidates:
+            raise ValueError(f"num_linear={count} must be between 0 and the {num_candidates} candidate layers")
+        return int(count)
+    if ratio is None:
+        raise ValueError("give either a ratio in (0, 1] or a layer count")
+    if not (0.0 < float(ratio) <= 1.0):
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    return int(math.floor(ratio * num_candidates + 0.5))

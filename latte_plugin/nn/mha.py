@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .layer import LatteParams, match_candidates, merge_heads
+from .install import match_candidates
+from .params import LatteParams, merge_heads
 
 __all__ = ["project_mha", "latte_mha_forward", "LatteMultiheadAttention", "swap_mha"]
 
@@ -66,7 +67,7 @@ def latte_mha_forward(attn: nn.MultiheadAttention, latte: LatteParams, query: Te
     q, k, v = project_mha(attn, query, key, value)
     if attn_mask is not None and attn_mask.dim() == 3:
         attn_mask = attn_mask.view(q.shape[0], q.shape[1], *attn_mask.shape[-2:])
-    o = merge_heads(latte.attend(q, k, v, key_padding_mask, attn_mask))
+    o = merge_heads(latte(q, k, v, key_padding_mask, attn_mask))
     return attn.out_proj(o)
 
 
@@ -113,7 +114,7 @@ class LatteMultiheadAttention(nn.MultiheadAttention):
         latte = self.latte
         # torch's own forward, except in an ONNX export: its inference fast path
         # (aten::_native_multi_head_attention) has no ONNX form, our exact path (SDPA) has
-        if (latte.mode == "exact" and latte.recorder is None and latte.probe is None
+        if (latte.mode == "exact" and not latte.tapped
                 and not torch.onnx.is_in_onnx_export()):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)

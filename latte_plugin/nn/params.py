@@ -1,23 +1,21 @@
-"""Per-layer LATTE state and the dispatch between exact, linear and dynamic attention.
+"""One layer's LATTE state and its inference: exact, linear, dynamic or uniform attention.
 
 :class:`LatteParams` holds the calibrated scalars of one attention layer as buffers, so
 they travel in an ordinary ``state_dict`` (and load with ``weights_only=True``). A framework
-adapter projects q, k, v itself and calls :meth:`LatteParams.attend`; nothing here knows
-about mmdet or detectron2.
+adapter projects q, k, v itself and calls the module; nothing here knows about mmdet,
+detectron2 or calibration.
 """
 from __future__ import annotations
 
-import fnmatch
 import math
-import os
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from . import kernels
+from .. import ops
 
-__all__ = ["MODES", "LatteParams", "merge_heads", "match_candidates", "find_latte_layers", "set_modes", "layer_states", "restore_layer_states"]
+__all__ = ["MODES", "LatteParams", "merge_heads"]
 
 #: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys;
 #: ``uniform`` = the mean of the values (a control that shows how much attention matters).
@@ -29,15 +27,6 @@ def _fastpath_guard(module: nn.Module, args: tuple) -> None:
     inference fast path, which would call torch's native attention kernel and bypass the
     LATTE core of a swapped ``self_attn`` (the layer checks for hooks on all submodules)."""
     return None
-
-
-def _triton_ready(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the Triton kernel takes this call (installed, not turned off, supported shapes and dtypes)."""
-    try:
-        from . import triton_latte
-    except ImportError:  # pragma: no cover
-        return False
-    return triton_latte.available() and triton_latte.supported(q, k, v)
 
 
 class LatteParams(nn.Module):
@@ -54,13 +43,21 @@ class LatteParams(nn.Module):
     Args:
         embed_dim: concatenated head width ``C = H * d_v``.
         num_heads: number of heads ``H``.
-        variant: one of :data:`kernels.VARIANTS`.
+        variant: one of :data:`ops.VARIANTS`.
         mode: one of :data:`MODES`.
         threshold: for ``dynamic`` mode, the key count below which softmax is used.
+        backend: the kernel of the fused linear path (:data:`~latte_plugin.ops.latte.BACKENDS`); default: the
+            ``LATTE_KERNEL`` environment variable, else ``auto``. Resolved here, once (:func:`set_backend`
+            changes it on a built model); a forward never reads the environment.
+
+    Calibration taps (recorders, probes) are forward hooks on this module, registered by
+    :mod:`latte_plugin.calibration.taps` for one pass and removed after it: adapters call the
+    module (``latte(q, k, v, ...)``), so the hooks see every call, and inference holds none.
     """
 
     def __init__(
-        self, embed_dim: int, num_heads: int, variant: str = "latte", mode: str = "exact", threshold: int = 0
+        self, embed_dim: int, num_heads: int, variant: str = "latte", mode: str = "exact", threshold: int = 0,
+        backend: Optional[str] = None,
     ) -> None:
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -81,22 +78,19 @@ class LatteParams(nn.Module):
         self.register_buffer("calibrated", torch.tensor(False))
         self.variant = variant
         self.mode = mode
-        #: Set by calibration to receive ``(q, k, v, key_padding_mask, exact_output)``.
-        self.recorder: Optional[Callable[..., None]] = None
-        #: Set by sensitivity scoring to receive this layer's output ``(B, N, C)``.
-        self.probe: Optional[Callable[[Tensor], None]] = None
+        self.backend = ops.resolve_backend(backend)
         self.register_forward_pre_hook(_fastpath_guard)
 
     # -- names <-> buffers -------------------------------------------------------------
     @property
     def variant(self) -> str:
-        return kernels.VARIANTS[int(self.variant_id)]
+        return ops.VARIANTS[int(self.variant_id)]
 
     @variant.setter
     def variant(self, name: str) -> None:
-        if name not in kernels.VARIANTS:
-            raise ValueError(f"unknown LATTE variant {name!r}; choose one of {', '.join(kernels.VARIANTS)}")
-        self.variant_id.fill_(kernels.VARIANTS.index(name))
+        if name not in ops.VARIANTS:
+            raise ValueError(f"unknown LATTE variant {name!r}; choose one of {', '.join(ops.VARIANTS)}")
+        self.variant_id.fill_(ops.VARIANTS.index(name))
 
     @property
     def mode(self) -> str:
@@ -137,7 +131,7 @@ class LatteParams(nn.Module):
         m = (self.m if m is None else m).view(-1, 1, 1)  # (H, 1, 1) broadcasts over (..., H, N, d)
         log_rho = (self.log_rho if log_rho is None else log_rho).view(-1, 1, 1)
         delta = torch.exp(0.5 * log_rho)
-        return kernels.variant_features(q, k, self.variant, m, delta, delta, 1.0, 1.0)
+        return ops.variant_features(q, k, self.variant, m, delta, delta, 1.0, 1.0)
 
     def linear(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
@@ -145,9 +139,9 @@ class LatteParams(nn.Module):
     ) -> Tensor:
         """LATTE linear attention with sigma applied: ``(B, H, N, d_v)``.
 
-        ``latte`` and ``jpn_only`` run the fused fast path (the Triton kernel on CUDA tensors,
-        :mod:`.triton_latte`; elsewhere the eager fused function, or with ``LATTE_KERNEL=compiled``
-        the same function through ``torch.compile``); the others (and calibration, via
+        ``latte`` and ``jpn_only`` run the fused fast path of the layer's ``backend``
+        (:func:`~latte_plugin.ops.latte.latte_attention`: the Triton kernel on CUDA tensors, the eager fused
+        function, or that function through ``torch.compile``); the others (and calibration, via
         :meth:`features`) use the reference composition it is tested against. A general
         ``attn_mask`` (bool, ``True`` = masked, e.g. causal) takes the quadratic masked path.
         """
@@ -155,23 +149,15 @@ class LatteParams(nn.Module):
         if attn_mask is None and variant in ("latte", "jpn_only"):
             m = self.m.view(-1, 1, 1) if variant == "latte" else 1.0
             rho = torch.exp(self.log_rho).view(-1, 1, 1)
-            if q.is_cuda and _triton_ready(q, k, v):  # the fused GPU kernel (LATTE_KERNEL=eager turns it off)
-                from . import triton_latte
-
-                o = triton_latte.triton_latte_attention(q, k, v, m, rho, key_padding_mask)
-            elif os.environ.get("LATTE_KERNEL") == "compiled" and not torch.jit.is_tracing():
-                # the same function through torch.compile: faster on CPU from ~4k tokens (docs/deployment.md)
-                o = kernels.compiled_fused_latte_attention()(q, k, v, m, rho, key_padding_mask)
-            else:
-                o = kernels.fused_latte_attention(q, k, v, m, rho, key_padding_mask)
+            o = ops.latte_attention(q, k, v, m, rho, key_padding_mask, self.backend)
         else:
             # feature maps in >= float32: squared features overflow float16 at large activations
             acc = torch.promote_types(q.dtype, torch.float32)
             fq, fk = self.features(q.to(acc), k.to(acc))
             if attn_mask is None:
-                o = kernels.linear_attention(fq, fk, v, key_padding_mask)
+                o = ops.linear_attention(fq, fk, v, key_padding_mask)
             else:
-                o = kernels.naive_linear_attention(fq, fk, v.to(acc), key_padding_mask, attn_mask).to(v.dtype)
+                o = ops.naive_linear_attention(fq, fk, v.to(acc), key_padding_mask, attn_mask).to(v.dtype)
         return self.correct(o)
 
     def correct(self, o: Tensor) -> Tensor:
@@ -210,73 +196,29 @@ class LatteParams(nn.Module):
             ``(B, H, N, d_v)``.
         """
         if self.mode == "uniform":
-            out = kernels.uniform_attention(v, key_padding_mask, q.shape[-2])
+            out = ops.uniform_attention(v, key_padding_mask, q.shape[-2])
         elif self.use_linear(k.shape[-2]):
-            out = self.linear(q, k, v, key_padding_mask, kernels.bool_attn_mask(attn_mask))
+            out = self.linear(q, k, v, key_padding_mask, ops.bool_attn_mask(attn_mask))
         else:
-            out = kernels.softmax_attention(q, k, v, key_padding_mask, attn_mask)
-            if self.recorder is not None:
-                masked = kernels.bool_attn_mask(attn_mask)
-                if masked is None:
-                    self.recorder(q, k, v, key_padding_mask, out)
-                else:
-                    self.recorder(q, k, v, key_padding_mask, out, attn_mask=masked)
-        if self.probe is not None:
-            self.probe(merge_heads(out))
+            out = ops.softmax_attention(q, k, v, key_padding_mask, attn_mask)
         return out
 
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
+                attn_mask: Optional[Tensor] = None) -> Tensor:
+        """:meth:`attend` through the module call, so that calibration's forward hooks see it."""
+        return self.attend(q, k, v, key_padding_mask, attn_mask)
+
+    @property
+    def tapped(self) -> bool:
+        """Whether a calibration tap (a forward hook) listens: adapters then keep the LATTE path."""
+        return bool(self._forward_hooks)
+
     def extra_repr(self) -> str:
-        return f"variant={self.variant}, mode={self.mode}, alpha={self.alpha:.4f}, calibrated={bool(self.calibrated)}"
+        return (f"variant={self.variant}, mode={self.mode}, alpha={self.alpha:.4f}, calibrated={bool(self.calibrated)}, "
+                f"backend={self.backend}")
 
 
 def merge_heads(o: Tensor) -> Tensor:
     """``(B, H, N, d_v)`` to ``(B, N, H * d_v)``."""
     b, h, n, dv = o.shape
     return o.transpose(1, 2).reshape(b, n, h * dv)
-
-
-def match_candidates(names: Iterable[str], patterns: Sequence[str]) -> list[str]:
-    """Module names matching any pattern, in model order.
-
-    Raises:
-        ValueError: if a pattern matches nothing (names it and shows a few module names).
-    """
-    names = list(names)
-    out = []
-    for pat in patterns:
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
-        if not hits:
-            # show attention-looking names first: what the user most likely meant
-            att = [n for n in names if "attn" in n.split(".")[-1] or "attention" in n.split(".")[-1]]
-            sample = ", ".join((att or names)[:8])
-            raise ValueError(f"candidate pattern {pat!r} matches no attention module; available: {sample} ...")
-        out.extend(h for h in hits if h not in out)
-    return [n for n in names if n in out]
-
-
-def find_latte_layers(model: nn.Module) -> dict[str, LatteParams]:
-    """``{attention module name: its LatteParams}`` in model order (the ``.latte`` suffix stripped)."""
-    layers = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, LatteParams):
-            default = name[: -len(".latte")] if name.endswith(".latte") else name
-            layers[getattr(mod, "layer_name", default)] = mod
-    return layers
-
-
-def set_modes(layers: dict[str, LatteParams], linear: Iterable[str], mode: str = "linear") -> None:
-    """Puts ``linear`` layers in ``mode`` and every other layer in exact mode."""
-    linear = set(linear)
-    for name, layer in layers.items():
-        layer.mode = mode if name in linear else "exact"
-
-
-def layer_states(layers: dict[str, LatteParams]) -> dict[str, dict[str, Tensor]]:
-    """A copy of every layer's buffers (its whole calibrated state)."""
-    return {n: {key: t.clone() for key, t in layer.state_dict().items()} for n, layer in layers.items()}
-
-
-def restore_layer_states(layers: dict[str, LatteParams], states: dict[str, dict[str, Tensor]]) -> None:
-    """Loads :func:`layer_states`' copies back."""
-    for n, layer in layers.items():
-        layer.load_state_dict(states[n])

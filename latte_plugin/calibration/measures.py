@@ -2,7 +2,7 @@
 
 A measure runs a batch (``run``), turns an exact and a hybrid result into a float64 vector of
 sums (``sums``: summed across images and ranks) and the total into a loss (``loss``: 0 is
-identical, lower is better). Two measures:
+identical, lower is better): the :class:`~latte_plugin.calibration.context.Measure` protocol. Two measures:
 
 * :class:`RawDistortion`: squared change of every raw output tensor, relative to their energy.
   Any model; what the generic entry uses.
