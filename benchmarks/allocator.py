@@ -2,7 +2,7 @@
 """The CPU allocator settings of ``tools/cpu_env.sh`` against glibc's defaults: forward passes of
 the embedded detectors on their val images, each setting in fresh processes, side by side.
 
-    python benchmarks/allocator.py [--models cond_detr rtdetr deimv2_vit] [--batch-sizes 1 8]
+    python -m benchmarks.allocator [--models cond_detr rtdetr deimv2_vit] [--batch-sizes 1 8]
         [--images 32] [--runs 3] [--json results/allocator_cpu.json]
 
 For each model, batch size and run, one child process per setting (glibc's defaults, then
@@ -25,7 +25,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 MODELS = {
     "cond_detr": ("configs/mmdet/embedded/cond_detr_r18_synthetic.py", "checkpoints/cond_detr_r18_synthetic.pth"),
@@ -116,7 +115,7 @@ def main(argv=None) -> dict:
                   f"(system time {row['median'][SETTINGS[0]]['system_seconds_per_image']:.3f} -> "
                   f"{row['median'][SETTINGS[1]]['system_seconds_per_image']:.3f} s/image; peak RSS "
                   f"x{row['rss_ratio']:.2f}; same outputs: {row['same_outputs']})", flush=True)
-    result = {"command": "python benchmarks/allocator.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": "python -m benchmarks.allocator " + " ".join(argv if argv is not None else sys.argv[1:]),
               "settings": list(SETTINGS), "threads": 2, "images": a.images, "rows": rows,
               "date": time.strftime("%Y-%m-%d")}
     if a.json:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Latency of LATTE linear attention vs SDPA vs naive softmax, side by side in one run.
 
-    python benchmarks/attention.py [--dtype fp32 bf16] [--ns 128 256 ... 32768] [--json out.json] [--plot out.png]
+    python -m benchmarks.attention [--dtype fp32 bf16] [--ns 128 256 ... 32768] [--json out.json] [--plot out.png]
 
 Per N (batch 1, 8 heads of 32 by default) it reports the best of ``--reps`` runs of:
 ``latte`` (feature maps + JPN + linear attention, the inference path of a calibrated
@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from latte_plugin import ops as K
 from latte_plugin.ops.flops import exact_attention_flops, linear_attention_flops

@@ -2,7 +2,7 @@
 """Calibration cost at real size: wall time and peak memory of ``tools/calibrate.py`` on the COCO
 configs (random weights: cost does not depend on them), each in a fresh process.
 
-    python benchmarks/calibration_cost.py [--num-images 64] [--models detr rtdetr] \
+    python -m benchmarks.calibration_cost [--num-images 64] [--models detr rtdetr] \
         [--json results/calibration_cost.json]
 
 DETR-R50: ``configs/mmdet/detr_r50_latte_coco.py`` on generated 800x1333 images (the test
@@ -25,7 +25,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 MODELS = {
     "detr": dict(name="DETR-R50", config="detr_r50_latte_coco.py", size=(800, 1333), input="800x1333"),
@@ -70,8 +69,7 @@ def prepare(key: str, root: str, work: str, num_images: int) -> list[str]:
         build_detector(m["family"], FAMILIES[m["family"]].architecture).save_pretrained(hf_dir)
         extra = ["--cfg-options", f"model.pretrained={hf_dir}"]
     else:
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
-        from convert_rtdetr_original import build_config
+        from latte_plugin.cli.convert_rtdetr_original import build_config
         from transformers import RTDetrForObjectDetection
 
         hf_dir = os.path.join(root, "rtdetr_r50vd")
@@ -115,7 +113,7 @@ def main(argv=None) -> dict:
             seconds, gib = measure(cmd)
             rows.append(dict(model=MODELS[key]["name"], input=MODELS[key]["input"], num_images=a.num_images,
                              seconds=round(seconds, 1), peak_rss_gib=round(gib, 2), threads=os.cpu_count(),
-                             command=f"python benchmarks/calibration_cost.py --num-images {a.num_images} "
+                             command=f"python -m benchmarks.calibration_cost --num-images {a.num_images} "
                                      f"--models {key}"))
             print(f"{rows[-1]['model']:14s} {rows[-1]['input']:9s} {a.num_images} images: {seconds / 60:.1f} min, "
                   f"peak RSS {gib:.2f} GiB", flush=True)

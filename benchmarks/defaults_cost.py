@@ -2,7 +2,7 @@
 """What the defaults cost against the previous defaults: calibration wall time on the embedded
 models, the same 32 calibration images, each setting in a fresh process, run one after the other.
 
-    python benchmarks/defaults_cost.py [--num-images 32] [--repeats 1] [--json results/defaults_cost.json]
+    python -m benchmarks.defaults_cost [--num-images 32] [--repeats 1] [--json results/defaults_cost.json]
 
 Rows: the package defaults and the previous defaults (greedy + refit, no compensation, a
 quarter of the images held out). Only the calibration is timed (no evaluation).
@@ -23,9 +23,8 @@ SETTINGS = {"defaults": {}, "previous defaults": {"selection": "greedy", "correc
 
 _CHILD = """
 import argparse, dataclasses, json, os, sys, time
-sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.join({root!r}, "tools", "evidence"))
 from latte_plugin.console import quiet
-from main_job import build
+from experiments.main_job import build
 from latte_plugin.mmdet.calibrate import calibrate_detector
 a = argparse.Namespace(config={config!r}, checkpoint={ckpt!r}, data_root=None, num_images={n}, work_dir={work!r})
 with quiet(os.path.join({work!r}, "log.txt")):
@@ -63,10 +62,9 @@ def main(argv=None) -> dict:
                 rows.append({"model": model, "setting": setting, "repeat": r, "num_images": a.num_images,
                              "seconds": round(res["seconds"], 1), "configuration": res["configuration"]})
                 print(rows[-1], flush=True)
-    out = {"rows": rows, "command": "python benchmarks/defaults_cost.py " + " ".join(argv or sys.argv[1:]),
+    out = {"rows": rows, "command": "python -m benchmarks.defaults_cost " + " ".join(argv or sys.argv[1:]),
            "threads": os.environ.get("OMP_NUM_THREADS", "default")}
     if a.json:
-        sys.path.insert(0, ROOT)
         from latte_plugin.storage import atomic_write_json
 
         atomic_write_json(out, a.json)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Exact vs LATTE-linearized DETR-R50 (mmdet shapes, random weights): encoder and end-to-end latency.
 
-    python benchmarks/detector.py [--sizes 800x1333 1600x2666] [--reps 3] [--json out.json]
+    python -m benchmarks.detector [--sizes 800x1333 1600x2666] [--reps 3] [--json out.json]
 
 Random weights are fine for timing. 4 of the 6 encoder self-attention layers (67%) are
 made linear, as in the paper's protocol, or all 6 with ``--num-linear 6``. Also prints the
@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def detr_r50_with_latte():
@@ -59,8 +57,7 @@ def main(argv=None) -> list[dict]:
 
     from latte_plugin.ops.flops import layer_flops
     from latte_plugin.nn.install import set_modes
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    from main_job_rows import encoder_latency
+    from experiments.main_job_rows import encoder_latency
 
     model, names, layers = detr_r50_with_latte()
     rows = []

@@ -2,7 +2,7 @@
 """End-to-end speed against input size for a transformers detector family at its real architecture
 (random weights: speed does not depend on them): exact vs hybrid, same weights, batch 1, CPU fp32.
 
-    python benchmarks/family_speed.py --family deimv2 --sizes 640 896 1280 --reps 3 \
+    python -m benchmarks.family_speed --family deimv2 --sizes 640 896 1280 --reps 3 \
         --json results/family_speed_deimv2.json [--plot docs/family_speed_deimv2.png]
 
 Each (size, setting) point runs in a fresh process (peak RSS is that process's ``ru_maxrss``),
@@ -48,7 +48,6 @@ def run_point(family: str, side: int, setting: str, reps: int, threads: int, hf_
     """In this process: build, set the modes, time; returns the point's figures."""
     import torch
 
-    sys.path.insert(0, ROOT)
     from latte_plugin.nn.install import find_latte_layers, set_modes
     from latte_plugin.calibration.config import num_linear_layers
 
@@ -96,16 +95,12 @@ def build_hf(family: str, side: int, hf_config: Optional[str]) -> tuple:
 def build_detr_r50(family: str, side: int, hf_config: Optional[str]) -> tuple:
     """mmdet's DETR-R50 (``benchmarks/detector.py``: real architecture, random weights) with LATTE in
     its 6 encoder layers, on a ``side`` x ``side`` input (stride 32): ``(model, forward(), {layer: tokens})``."""
-    import importlib.util
-
     import torch
     from mmdet.structures import DetDataSample
 
-    # loaded from its file: benchmarks/ on sys.path would let benchmarks/onnx.py shadow the onnx package
-    spec = importlib.util.spec_from_file_location("detector_bench", os.path.join(ROOT, "benchmarks", "detector.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    model, names, _ = bench.detr_r50_with_latte()
+    from benchmarks.detector import detr_r50_with_latte
+
+    model, names, _ = detr_r50_with_latte()
     x = torch.randn(1, 3, side, side)
     sample = DetDataSample(metainfo=dict(img_shape=(side, side), batch_input_shape=(side, side), pad_shape=(side, side)))
     tokens = ((side + 31) // 32) ** 2
@@ -195,10 +190,9 @@ def main(argv=None) -> dict:
             r = rows[-1]
             print(f"{a.family} {side}px {setting:5s} {r['seconds']:.3f} s  attention {r['attention_share']:.0%}  "
                   f"RSS {r['peak_rss_gib']:.2f} GiB", flush=True)
-    out = {"rows": rows, "command": "python benchmarks/family_speed.py " + shlex.join(argv or sys.argv[1:]),
+    out = {"rows": rows, "command": "python -m benchmarks.family_speed " + shlex.join(argv or sys.argv[1:]),
            "machine": f"{os.cpu_count()} CPU cores"}
     if a.json:
-        sys.path.insert(0, ROOT)
         from latte_plugin.storage import atomic_write_json
 
         atomic_write_json(out, a.json)

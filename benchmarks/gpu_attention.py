@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """LATTE (Triton kernel and eager path) vs flash SDPA on a CUDA GPU, N = 1k .. 64k, in under 5 minutes.
 
-    python benchmarks/gpu_attention.py [--ns 1024 4096 16384 65536] [--dtype bf16 fp16]
+    python -m benchmarks.gpu_attention [--ns 1024 4096 16384 65536] [--dtype bf16 fp16]
         [--heads 8] [--head-dim 32] [--json results/attention_gpu.json]
 
 Times, side by side in one run and with CUDA events (best of ``--reps`` after warm-up):
@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from latte_plugin import ops as K
 from latte_plugin.ops import triton_latte as T
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import DTYPES, peak_mem as peak  # noqa: E402  (the CPU benchmark's helpers, shared)
+from benchmarks.attention import DTYPES, peak_mem as peak  # the CPU benchmark's helpers, shared
 
 
 

@@ -21,12 +21,13 @@ processes (:func:`take_batches`).
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .console import progress as console_progress
+from .console import progress as console_progress, say
 from .calibration.measures import DetectionDisagreement
 from .calibration.config import LatteConfig
 from .calibration.state import apply_inference_settings, needs_calibration
@@ -87,6 +88,17 @@ class Adapter:
 
     def log(self, line: str) -> None:
         print(line)
+
+    def notice(self, line: str) -> None:
+        """A line the user must see even when the log goes to a file: logged, and said on the
+        terminal (rank 0) when the log is not."""
+        self.log(line)
+        if self.log_is_quiet():
+            say(line)
+
+    def log_is_quiet(self) -> bool:
+        """Whether :meth:`log` lines may not reach the terminal (a framework logger under ``quiet``)."""
+        return False
 
     def progress(self, it: Iterable, total: int, desc: str) -> Iterator:
         return console_progress(it, total, desc)
@@ -185,10 +197,14 @@ def calibrate_ratios(adapter: Adapter, model: nn.Module, data: Iterable, cfg: La
     swap_attention(bare, cfg.candidates, cfg.variant, cfg.backend)
     rank, world = adapter.world()
     batches, positions = take_batches(data, cfg.num_images, (rank, world), adapter)
-    total = adapter.all_reduce_sum(torch.tensor([float(len(batches))], dtype=torch.float64))
-    if float(total[0]) == 0:
+    total = int(adapter.all_reduce_sum(torch.tensor([float(len(batches))], dtype=torch.float64))[0])
+    if total == 0:
         raise ValueError(f"empty calibration set: the calibration data yielded no images on any of the {world} "
                          f"processes (asked for {cfg.num_images}); {adapter.data_hint}")
+    if total < cfg.num_images:  # said once, and the report records what was used
+        adapter.notice(f"[latte] num_images={cfg.num_images}, but the calibration data holds {total}: calibrating on "
+                       f"{total} (the report's config says num_images={total})")
+        cfg = replace(cfg, num_images=total)
     detect = adapter.detect(bare)
     host = Host(adapter.forward(bare), adapter.all_reduce_sum, adapter.log, adapter.progress, (rank, world), positions,
                 DetectionDisagreement(detect) if detect is not None else None)

@@ -15,12 +15,11 @@ Example::
 
     model = ViTModel(ViTConfig(num_hidden_layers=6)).eval()
     batches = [{"pixel_values": torch.randn(2, 3, 224, 224)} for _ in range(8)]
-    model, report = latte_plugin.linearize(
-        model, batches, candidates=["encoder.layer.*.attention.attention"], ratio=0.67)
+    model, report = latte_plugin.linearize(model, batches, candidates=["layers.*.attention"], ratio=0.67)
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -35,29 +34,26 @@ __all__ = ["swap_attention", "linearize", "default_forward"]
 def linearize(
     model: nn.Module,
     calib_batches: Iterable[Any],
-    candidates: Sequence[str] = ("*self_attn",),
-    ratio: Optional[float] = 0.67,
-    variant: str = "latte",
     forward: Optional[Callable[[Any], Any]] = None,
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     log: Callable[[str], None] = print,
     progress: bool = True,
     **settings: Any,
-) -> tuple[nn.Module, dict]:
+) -> tuple[nn.Module, Optional[dict]]:
     """Calibrates LATTE on ``model`` without training and makes ``ratio`` of the candidates linear.
 
     Args:
         model: any module; changed in place (and returned) as the hybrid model.
         calib_batches: unlabeled batches; an iterable (possibly endless: at most
-            ``settings['num_images']`` batches are taken, default 64).
-        candidates: ``fnmatch`` patterns over module names naming attention modules.
-        ratio: fraction of candidates made linear (or pass ``num_linear=``).
-        variant: ``latte`` (default), ``jpn_only``, ``tte_only`` or ``qtvit``.
+            ``num_images`` batches are taken).
         forward: runs one batch on the model; default :func:`default_forward`.
         all_reduce: sums a float64 tensor across ranks in place (distributed runs).
         log: receives progress lines. progress: show a progress bar (``rich``).
-        **settings: any other :class:`~latte_plugin.calibration.LatteConfig` field (``selection``,
-            ``steps``, ``correction``, ``holdout``, ``calibrate='auto'|'always'|'never'``, ...).
+        **settings: :class:`~latte_plugin.calibration.LatteConfig` fields by name, with its
+            defaults for those not given (one source: ``python tools/calibrate.py --help``
+            lists them): ``candidates`` (``fnmatch`` patterns over module names naming
+            attention modules), ``ratio`` or ``num_linear``, ``variant``, ``num_images``,
+            ``selection``, ``correction``, ``calibrate='auto'|'always'|'never'``, ...
 
     Returns:
         ``(model, report)``, the report as written by ``tools/calibrate.py`` (``None`` when
@@ -66,6 +62,6 @@ def linearize(
     Raises:
         ValueError: unknown setting, a pattern matching nothing, an empty calibration set.
     """
-    cfg = LatteConfig.from_dict(dict(candidates=list(candidates), ratio=ratio, variant=variant, **settings))
+    cfg = LatteConfig.from_dict(settings)
     # calibrate='auto' on a calibrated model keeps its state (mode and threshold still apply)
     return model, ensure_calibrated(TorchAdapter(forward, all_reduce, log, progress), model, cfg, calib_batches)

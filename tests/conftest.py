@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 import torch
@@ -10,10 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-# the scripts the tests import as modules: the user's commands (tools/) and the evidence jobs (tools/evidence/)
-sys.path.insert(1, os.path.join(ROOT, "tools"))
-sys.path.insert(2, os.path.join(ROOT, "tools", "evidence"))
+# the scripts the tests import as modules: the user's commands (tools/) and the evidence jobs (experiments/)
 
 
 @pytest.fixture(autouse=True)

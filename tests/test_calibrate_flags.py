@@ -1,15 +1,12 @@
 """tools/calibrate.py's LATTE flags come from LatteConfig: one flag per field, and each changes the config."""
 import dataclasses
 import os
-import sys
 
 import pytest
 
 from latte_plugin.calibration.config import LatteConfig
-from tests.conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import calibrate as tool  # noqa: E402
+from latte_plugin.cli import calibrate as tool
 
 #: a command-line value different from the default, per field
 VALUES = {"candidates": ["a.*.attn", "b.attn"], "ratio": "0.5", "num_linear": "3", "variant": "qtvit",

@@ -2,15 +2,13 @@
 another ``embed_dims``) is refused with one line by every tool that loads one: mmengine would
 skip the mismatched tensors with a warning and calibrate a half-random model."""
 import os
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, require, tiny_cfg
+from tests.conftest import require, tiny_cfg
 
 require("mmdet.models")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def _tiny_state():
@@ -70,7 +68,7 @@ def _one_line(exc, path):
 
 @pytest.mark.parametrize("kind", ["num_classes", "embed_dims"])
 def test_calibrate_tool_refuses_another_shape(bad_checkpoints, cfg_path, tmp_path, kind):
-    import calibrate
+    from latte_plugin.cli import calibrate
 
     path = bad_checkpoints[kind]
     with pytest.raises(SystemExit) as exc:
@@ -84,7 +82,7 @@ def test_calibrate_tool_refuses_another_shape(bad_checkpoints, cfg_path, tmp_pat
 @pytest.mark.parametrize("exact", [False, True], ids=["hybrid", "exact"])
 @pytest.mark.parametrize("kind", ["num_classes", "embed_dims"])
 def test_export_tool_refuses_another_shape_in_both_modes(bad_checkpoints, cfg_path, tmp_path, kind, exact):
-    import export_onnx
+    from latte_plugin.cli import export_onnx
 
     path = bad_checkpoints[kind]
     with pytest.raises(SystemExit) as exc:
@@ -95,7 +93,7 @@ def test_export_tool_refuses_another_shape_in_both_modes(bad_checkpoints, cfg_pa
 
 @pytest.mark.parametrize("kind", ["num_classes", "embed_dims"])
 def test_main_job_refuses_another_shape(bad_checkpoints, cfg_path, tmp_path, kind):
-    import main_job
+    from experiments import main_job
 
     path = bad_checkpoints[kind]
     with pytest.raises(SystemExit) as exc:
@@ -118,7 +116,7 @@ def test_the_right_shapes_still_load(cfg_path, tmp_path):
 
 @pytest.mark.parametrize("kind", ["text", "missing"])
 def test_export_tool_says_one_line_for_an_unreadable_checkpoint(cfg_path, tmp_path, kind):
-    import export_onnx
+    from latte_plugin.cli import export_onnx
 
     bad = tmp_path / f"{kind}.pth"
     if kind == "text":
@@ -130,7 +128,7 @@ def test_export_tool_says_one_line_for_an_unreadable_checkpoint(cfg_path, tmp_pa
 
 
 def test_the_held_out_layer_mse_of_a_row_is_the_compensated_fit_where_compensation_was_kept():
-    from main_job_rows import row_fits
+    from experiments.main_job_rows import row_fits
 
     plain, comp = {"heldout_mse": 2.0}, {"heldout_mse": 1.0}
     rep = {"fit": {"a": {**plain, "compensated": comp}, "b": dict(plain)},

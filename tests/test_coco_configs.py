@@ -18,9 +18,8 @@ require("mmdet.models")
 require("transformers")
 import latte_plugin.mmdet  # noqa: E402,F401
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import calibrate as calibrate_tool  # noqa: E402
-import convert_rtdetr_original as converter  # noqa: E402
+from latte_plugin.cli import calibrate as calibrate_tool
+from latte_plugin.cli import convert_rtdetr_original as converter
 
 MMDET_CONFIGS = os.path.join(ROOT, "configs", "mmdet")
 SIDE = 320  # test-time input size (the configs' own: 1333x800 for DETR, 640x640 for RT-DETR)
@@ -221,7 +220,6 @@ def _d2_script():
     if os.path.isfile(src):
         import tempfile
 
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
         import parity_detectron2
 
         return parity_detectron2.d2_script(src, tempfile.mkdtemp())
@@ -253,7 +251,7 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, tmp_path, name):
         hf_dir = str(tmp_path / "hf")
         _hf_rtdetr("r50vd").save_pretrained(hf_dir)
         overrides.append(f"model.pretrained={hf_dir}")
-    env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, script, "--eval-only", "--config-file",
                           os.path.join(ROOT, "configs", "detectron2", name), *overrides],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path))
@@ -275,7 +273,7 @@ def tiny_detr_checkpoint(tmp_path) -> str:
     torch.manual_seed(0)
     zoo = str(tmp_path / "detr_r50_zoo.pth")
     torch.save({"meta": {"epoch": 150}, "state_dict": _build(cfg).state_dict()}, zoo)
-    import slim_checkpoint
+    from latte_plugin.cli import slim_checkpoint
 
     slim_checkpoint.main([zoo, str(tmp_path / "detr_r50_d2.pth")])
     return str(tmp_path / "detr_r50_d2.pth")

@@ -1,16 +1,12 @@
 """``tools/cpu_env.sh`` and ``benchmarks/allocator.py`` (which measures it): the settings keep a
 value the user set, and the benchmark's summary reports what its runs measured, including a
 run whose outputs differ."""
-import importlib.util
 import os
 import subprocess
 
 from tests.conftest import ROOT
 
-# loaded from its file: benchmarks/ on sys.path would shadow packages (benchmarks/onnx.py is not onnx)
-_spec = importlib.util.spec_from_file_location("allocator_bench", os.path.join(ROOT, "benchmarks", "allocator.py"))
-allocator = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(allocator)
+from benchmarks import allocator
 
 VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 

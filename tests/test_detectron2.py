@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import socket
-import sys
 
 import pytest
 import torch
@@ -134,8 +133,7 @@ def test_calibrate_tool_on_a_lazyconfig_and_map_parity_with_mmdet(synthetic_data
     from mmengine.config import Config
     from mmengine.runner import Runner
 
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import calibrate as calibrate_tool
+    from latte_plugin.cli import calibrate as calibrate_tool
 
     root = synthetic_data.rstrip("/") + "/"
     train, val = d2p.register_synthetic(synthetic_data, prefix="latte_test")

@@ -127,7 +127,7 @@ def test_latte_rtdetr_registers_calibrates_and_evaluates_with_mmdet_and_mmcv_uni
     script.write_text(BLOCKED_RUN)
     cfg = os.path.join(ROOT, "configs", "detectron2", "embedded", "rtdetr_r18_synthetic_latte.py")
     ckpt = os.path.join(ROOT, "checkpoints", "rtdetr_r18_synthetic.pth")
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, str(script), root, cfg, ckpt, str(tmp_path / "eval")],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path))
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]

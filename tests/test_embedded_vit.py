@@ -65,13 +65,11 @@ def test_its_backbone_attention_is_global_at_1024_tokens():
 
 
 def test_the_main_jobs_speed_column_times_the_backbone_too():
-    import sys
 
     from latte_plugin.mmdet import install_latte_cores
     from latte_plugin.calibration.config import LatteConfig
 
-    sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
-    from main_job_rows import latency_modules
+    from experiments.main_job_rows import latency_modules
 
     det = _detector()
     install_latte_cores(det, LatteConfig(candidates=["auto"]))
@@ -80,12 +78,10 @@ def test_the_main_jobs_speed_column_times_the_backbone_too():
 
 
 def test_the_main_job_runs_the_same_config_at_another_size():
-    import sys
 
     from mmengine.config import Config
 
-    sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
-    from main_job import use_input_size
+    from experiments.main_job import use_input_size
 
     cfg = Config.fromfile(CONFIG)
     use_input_size(cfg, 736)

@@ -1,5 +1,4 @@
 """benchmarks/family_speed.py's JSON shape at a tiny size (not a timed test: no figure is checked)."""
-import importlib.util
 import os
 
 from tests.conftest import ROOT, require
@@ -8,10 +7,7 @@ require("transformers")
 
 
 def _family_speed():
-    # loaded from its file: putting benchmarks/ on sys.path would let benchmarks/onnx.py shadow the onnx package
-    spec = importlib.util.spec_from_file_location("family_speed", os.path.join(ROOT, "benchmarks", "family_speed.py"))
-    family_speed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(family_speed)
+    from benchmarks import family_speed
     return family_speed
 
 

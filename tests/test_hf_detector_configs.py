@@ -5,7 +5,6 @@ every key; calibrated and evaluated on generated data in COCO 2017's layout thro
 --eval-only`` (COCOEvaluator). Inputs are small (the family's smallest runnable size)."""
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -67,8 +66,7 @@ def test_mmdet_config_calibrates_and_evaluates_a_save_pretrained_directory(famil
     saved model lands, the candidates are found from the model, 67% go linear, CocoMetric reports."""
     require("mmdet.models")
     require("mmcv.ops")
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import calibrate as calibrate_tool
+    from latte_plugin.cli import calibrate as calibrate_tool
 
     hf_dir, want = _saved(family, tmp_path / "hf")
     _mmdet_cfg(ARCHS[family], coco_root, str(tmp_path / "w"), str(tmp_path / "cfg.py"))
@@ -86,7 +84,7 @@ def test_mmdet_config_calibrates_and_evaluates_a_save_pretrained_directory(famil
 
 def _lazyconfig_train_net():
     """detectron2's own tools/lazyconfig_train_net.py, imported as a module (from LATTE_DETECTRON2_SRC)."""
-    from test_coco_configs import _d2_script
+    from tests.test_coco_configs import _d2_script
 
     script = _d2_script()
     if script is None:
@@ -147,9 +145,8 @@ def test_onnx_export_of_the_calibrated_family_gives_torchs_outputs_and_map(famil
     raw outputs equal torch's within 1e-4 with the queries matched (the two-stage top-k may swap
     nearly tied queries), and both give the same CocoMetric mAP."""
     require("mmdet.models")
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import calibrate as calibrate_tool
-    import export_onnx as export_tool
+    from latte_plugin.cli import calibrate as calibrate_tool
+    from latte_plugin.cli import export_onnx as export_tool
 
     hf_dir, _ = _saved(family, tmp_path / "hf")
     _mmdet_cfg(ARCHS[family], coco_root, str(tmp_path / "w"), str(tmp_path / "cfg.py"))

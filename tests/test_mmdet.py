@@ -145,7 +145,7 @@ def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
     cfg.dump(str(cfg_path))
     report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"), evaluate=True)
     test_py = os.path.join(os.path.dirname(mmdet.__file__), ".mim", "tools", "test.py")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ)
     out = subprocess.run([sys.executable, test_py, str(cfg_path), report["paths"]["checkpoint"],
                           "--work-dir", str(tmp_path / "t")], capture_output=True, text=True, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -156,8 +156,7 @@ def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
 
 
 def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path, monkeypatch):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import main_job
+    from experiments import main_job
 
     from latte_plugin.calibration import flow
 
@@ -188,9 +187,8 @@ def test_main_job_rows_that_differ_in_share_calibrate_once(synthetic_data, tmp_p
     """Rows that differ only in their share calibrate once (ours:greedy and ours:greedy@83% here;
     ours:auto and ours:auto@83% in the full job) and each gets the figures its own calibration
     gives; the table keeps the rows' order."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import main_job
-    from main_job_rows import ROWS, shared_calibrations
+    from experiments import main_job
+    from experiments.main_job_rows import ROWS, shared_calibrations
 
     from latte_plugin.calibration.config import LatteConfig
 
@@ -329,7 +327,7 @@ def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(sy
     cfg.dump(str(cfg_path))
     tool = os.path.join(ROOT, "tools", "calibrate.py")
     ckpt = os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def run(work, *launch, extra=()):
         out = subprocess.run([*launch, tool, str(cfg_path), "--checkpoint", ckpt, "--work-dir", str(tmp_path / work),
@@ -353,8 +351,7 @@ def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(sy
 
 
 def _calibrate_tool():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import calibrate
+    from latte_plugin.cli import calibrate
 
     return calibrate
 

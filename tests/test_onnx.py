@@ -4,7 +4,6 @@ detectors' val images with the queries matched: RT-DETR's top-k may swap two nea
 queries), and the export tool's CocoMetric through onnxruntime equal to the torch model's.
 ``pytest -k onnx``."""
 import os
-import sys
 
 import pytest
 import torch
@@ -107,9 +106,8 @@ def test_onnx_export_tool_on_the_embedded_models_gives_the_torch_map(synthetic_d
     swapped places (RT-DETR's top-k; none may on the DETR); both go through the same
     post-processing to the same CocoMetric mAP; the exact baseline exports too."""
     require("mmdet.models")
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import calibrate as calibrate_tool
-    import export_onnx as export_tool
+    from latte_plugin.cli import calibrate as calibrate_tool
+    from latte_plugin.cli import export_onnx as export_tool
 
     config, ckpt = EMBEDDED[name]
     cfg = tiny_cfg(synthetic_data, str(tmp_path / "w"), os.path.join(ROOT, "configs", "mmdet", "embedded", config),

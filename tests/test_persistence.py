@@ -8,11 +8,9 @@ import sys
 import torch
 
 from latte_plugin.storage import atomic_torch_save, atomic_write_json
-from tests.conftest import ROOT
 
 SLOW_WRITER = r"""
 import sys, time, torch
-sys.path.insert(0, {root!r})
 from latte_plugin.storage import atomic_torch_save
 
 class Slow:
@@ -29,7 +27,7 @@ def test_killed_write_keeps_previous_checkpoint(tmp_path):
     path = str(tmp_path / "latte_calibrated.pth")
     good = {"meta": {"v": 1}, "state_dict": {"w": torch.arange(10.0)}}
     atomic_torch_save(good, path)
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER.format(root=ROOT, path=path)],
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER.format(path=path)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
     proc.send_signal(signal.SIGKILL)

@@ -1,11 +1,9 @@
-"""The README's tables are what the committed results say (tools/evidence/readme_tables.py regenerates them)."""
+"""The README's tables are what the committed results say (experiments/readme_tables.py regenerates them)."""
 import os
-import sys
 
 from tests.conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import readme_tables  # noqa: E402
+from experiments import readme_tables
 
 
 def test_readme_tables_match_the_committed_results():
@@ -15,7 +13,7 @@ def test_readme_tables_match_the_committed_results():
         with open(page, encoding="utf-8") as f:
             text = f.read()
         found += len(readme_tables.MARKER.findall(text))
-        assert readme_tables.render(text) == text, f"{page} is stale: run python tools/evidence/readme_tables.py"
+        assert readme_tables.render(text) == text, f"{page} is stale: run python -m experiments.readme_tables"
     assert found >= 10, "the pages have lost their generated tables"
     with open(readme_tables.README, encoding="utf-8") as f:
         assert "<!-- results:headline -->" in f.read(), "the README's headline table is not generated"

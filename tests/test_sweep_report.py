@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-import sweep_defaults
-import sweep_report
+from experiments import sweep_defaults
+from experiments import sweep_report
 
 
 def _entries():
@@ -55,7 +55,7 @@ def test_the_sweep_gives_the_main_job_every_argument_its_build_reads(monkeypatch
     import inspect
     import re
 
-    import main_job
+    from experiments import main_job
 
     monkeypatch.setattr(sweep_defaults, "_split", lambda seed: str(tmp_path / f"seed{seed}"))
     a = sweep_defaults.job_arguments("cond_detr", 707, 32)
@@ -76,7 +76,7 @@ def _judge_results(tmp_path, detections_kept: float):
 def test_the_judge_rule_needs_no_loss_beyond_the_noise_and_a_mean_gain(tmp_path, detections_kept, met):
     """docs/results.md#judge: adopted only if no cell loses by more than the noise (RT-DETR: 0.3
     points) and the mean difference is positive."""
-    import judge_report
+    from experiments import judge_report
 
     rows = judge_report.cells(_judge_results(tmp_path, detections_kept))
     assert [(r["outputs"], r["detections"], r["share"]) for r in rows] == [(0.95, detections_kept, "67%")]

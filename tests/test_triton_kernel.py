@@ -112,7 +112,7 @@ def test_triton_kernel_key_slices_sum_to_the_same_result(splits):
 # ------------------------------------------------------------------ 16-bit with calibrated scalars
 #: (m, rho) of linear layers real calibrations produce: the generic HF ViT example (README;
 #: delta 346, 811, 1720 -> rho = delta^2 up to 3e6) and the embedded detectors'
-#: (tests/data/calibrated_scalars.json, written by tools/evidence/record_scalars.py).
+#: (tests/data/calibrated_scalars.json, written by experiments/record_scalars.py).
 def _real_scalars():
     import json
 

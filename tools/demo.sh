@@ -3,10 +3,10 @@
 #   bash tools/demo.sh          the headline (within 10 minutes): for each embedded model (Conditional DETR,
 #                               RT-DETR, the ViT-backbone DEIMv2) the rows exact, the paper's protocol, ours at 67% and 83%
 #                               (calibrate + CocoMetric), each default row's checkpoint saved
-#   bash tools/demo.sh --full   every row of tools/evidence/main_job.py, mmdet's own tools/test.py on each saved
+#   bash tools/demo.sh --full   every row of experiments/main_job.py, mmdet's own tools/test.py on each saved
 #                               default-row checkpoint (no recalibration), the ONNX export
 #                               evaluated through onnxruntime, and the generic entry on the
-#                               non-detection model (tools/evidence/sequence_job.py); what regenerates results/:
+#                               non-detection model (experiments/sequence_job.py); what regenerates results/:
 #   LATTE_DEMO_RESULTS=results bash tools/demo.sh --full
 #   LATTE_DEMO_MODELS=rtdetr bash tools/demo.sh      # one model
 set -euo pipefail
@@ -41,7 +41,7 @@ for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr deimv2_vit}; do
   # the headline times 5 forwards per row for its speed-up column (the full run: 20) and skips the
   # signal column (the full run measures it)
   if [ "$full" = 1 ]; then rows=(); else rows=(--rows exact latte ours:auto 'ours:auto@83%' --timing-reps 5 --no-signal); fi
-  PYTHONWARNINGS=ignore "$py" tools/evidence/main_job.py --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" "${rows[@]}" \
+  PYTHONWARNINGS=ignore "$py" -m experiments.main_job --config "$cfg" --checkpoint "$ckpt" --work-dir "$work" "${rows[@]}" \
     ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/main_job_$model.json"}
   # the headline stops here (its time budget); the full run re-evaluates the saved checkpoint with
   # mmdet's own tools/test.py, exports it to ONNX and evaluates that through onnxruntime
@@ -61,4 +61,4 @@ for model in ${LATTE_DEMO_MODELS:-cond_detr rtdetr deimv2_vit}; do
 done
 [ "$full" = 1 ] || { echo "(the headline; every row, mmdet's tools/test.py on the saved checkpoints, ONNX and the sequence model: bash tools/demo.sh --full)"; exit 0; }
 echo "== beyond detectors: the retrieval encoder through latte_plugin.linearize =="
-PYTHONWARNINGS=ignore "$py" tools/evidence/sequence_job.py ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/sequence_job.json"}
+PYTHONWARNINGS=ignore "$py" -m experiments.sequence_job ${LATTE_DEMO_RESULTS:+--results "$LATTE_DEMO_RESULTS/sequence_job.json"}

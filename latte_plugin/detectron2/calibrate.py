@@ -61,6 +61,9 @@ class Detectron2Adapter(Adapter):
     def log(self, line: str) -> None:
         logger.info(line)
 
+    def log_is_quiet(self) -> bool:
+        return True  # detectron2's logger: the calibrate.log file under tools/calibrate.py
+
 
 ADAPTER = Detectron2Adapter()
 unwrap = ADAPTER.unwrap

@@ -55,6 +55,9 @@ class MMDetAdapter(Adapter):
     def log(self, line: str) -> None:
         print_log(line, logger="current")
 
+    def log_is_quiet(self) -> bool:
+        return True  # mmengine's logger: the calibrate.log file under tools/calibrate.py
+
 
 ADAPTER = MMDetAdapter()
 unwrap = ADAPTER.unwrap

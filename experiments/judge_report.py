@@ -2,11 +2,11 @@
 """The held-out check of ``judge='detections'`` against the output judge (docs/results.md#judge):
 one table from the committed result files, and the rule's verdict.
 
-    python tools/evidence/judge_report.py     # print the table
+    python -m experiments.judge_report     # print the table
 
-Inputs: ``results/judge_heldout.json`` (``tools/evidence/sweep_defaults.py --rows ours
+Inputs: ``results/judge_heldout.json`` (``experiments/sweep_defaults.py --rows ours
 'ours(judge=detections)' ...`` on the DETR and RT-DETR) and ``results/main_job_deimv2_vit_seed<N>.json``
-(``tools/evidence/main_job.py --rows ... ours:judge=detections ...`` on the ViT model).
+(``experiments/main_job.py --rows ... ours:judge=detections ...`` on the ViT model).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 import re
 import statistics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
 #: The allowance per model, fixed with the rule before the rows ran: the sweep's measured noise
 #: (spread of the exact mAP over its 5 splits) on the detectors, an assumed 1 point on the ViT model.

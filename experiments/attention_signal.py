@@ -4,7 +4,7 @@ outputs move when that layer's attention output is replaced by the mean of its v
 others exact), on train images (``latte_plugin.calibration.signal``), and how far each layer's softmax is
 from uniform (mean row entropy over log N: 1 = uniform).
 
-    python tools/evidence/attention_signal.py configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py \
+    python -m experiments.attention_signal configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py \
         checkpoints/rtdetr_r18_synthetic.pth --results results/signal_rtdetr.json
 
 A layer the detector ignores scores ~0: linearizing it proves nothing about linear attention.
@@ -15,9 +15,8 @@ import argparse
 import itertools
 import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(config: str, checkpoint: str, num_images: int, work_dir: str) -> tuple[dict, dict]:
@@ -50,7 +49,7 @@ def main(argv=None) -> dict:
 
     signal, entropy = measure(a.config, a.checkpoint, a.num_images, a.work_dir)
     rel = lambda path: os.path.relpath(os.path.abspath(path), ROOT)  # noqa: E731
-    out = {"command": f"python tools/evidence/attention_signal.py {rel(a.config)} {rel(a.checkpoint)} --num-images "
+    out = {"command": f"python -m experiments.attention_signal {rel(a.config)} {rel(a.checkpoint)} --num-images "
                       f"{a.num_images} --results {rel(a.results)}",
            "config": rel(a.config), "checkpoint": rel(a.checkpoint), "num_images": a.num_images, "signal": signal,
            "entropy": entropy}
@@ -61,5 +60,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     main()

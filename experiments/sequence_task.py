@@ -2,8 +2,8 @@
 """The non-detection model of the evidence: a small transformer encoder trained here on the
 generated marker-retrieval task (:mod:`latte_plugin.data.sequence`).
 
-    python tools/evidence/sequence_task.py train [--steps 3000] [--out checkpoints/seq_retrieval.safetensors]
-    python tools/evidence/sequence_task.py eval [--checkpoint ...]
+    python -m experiments.sequence_task train [--steps 3000] [--out checkpoints/seq_retrieval.safetensors]
+    python -m experiments.sequence_task eval [--checkpoint ...]
 
 The model is plain PyTorch: token + learned position embeddings, ``nn.TransformerEncoder``
 (6 pre-norm layers, d=64, 4 heads, ``nn.MultiheadAttention`` inside, so the generic entry
@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The README's main job: every LATTE row on the embedded checkpoint, evaluated by CocoMetric.
 
-    python tools/evidence/main_job.py [--config CFG] [--checkpoint CKPT] [--work-dir DIR] [--rows a b ...]
+    python -m experiments.main_job [--config CFG] [--checkpoint CKPT] [--work-dir DIR] [--rows a b ...]
 
 CFG is an mmdet config with a ``LinearizeHook`` (its settings are the base of every row).
 Writes to DIR: ``latte_report.json`` (the spec keys for the ``latte`` row plus one entry per
@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from latte_plugin.storage import CKPT_NAME, REPORT_NAME
 
@@ -124,7 +121,7 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
                                                 compensated=(f.get("compensated") or {}).get("correction"))
                                         for n, f in r["fit"].items()}}
                       for name, r in report.get("row_reports", {}).items()}
-    out["command"] = "python tools/evidence/main_job.py " + " ".join(
+    out["command"] = "python -m experiments.main_job " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
                                                      ("num_images", a.num_images), ("data_root", a.data_root),
                                                      ("input_size", a.input_size)) if v) + (
@@ -138,7 +135,7 @@ def run(a: argparse.Namespace) -> dict:
     from latte_plugin.storage import atomic_write_json
     from latte_plugin.mmdet.workflow import save_calibrated_checkpoint
     from latte_plugin.viz import plot_kept, plot_sensitivity
-    from main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
+    from experiments.main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
 
     t0 = time.time()
     runner, base, batches = build(a)

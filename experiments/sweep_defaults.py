@@ -2,7 +2,7 @@
 """Do the defaults ever lose? The package defaults against the paper's protocol and the
 previous defaults, on generated splits no choice in the project has seen, at several budgets.
 
-    python tools/evidence/sweep_defaults.py [--seeds 202 303 404 505 606] [--budgets 8 16 32 64]
+    python -m experiments.sweep_defaults [--seeds 202 303 404 505 606] [--budgets 8 16 32 64]
         [--models cond_detr rtdetr] [--sequence-budgets 8 128] [--rows ours 'ours(judge=detections)' ...]
         [--results results/sweep_defaults.json]
 
@@ -12,7 +12,7 @@ train images of the calibration sampler's order), the rows ``latte`` (the paper'
 ``old default`` (the previous defaults' settings: greedy + refit, no compensation, a quarter
 held out; run by the current code, so its greedy search is cross-fitted too) and
 ``ours:auto`` (plus ``ours:auto@83%`` at 32 images), each scored by mmdet's CocoMetric on the split's val
-images. The sequence model (``tools/evidence/sequence_task.py``) runs the same three
+images. The sequence model (``experiments/sequence_task.py``) runs the same three
 configurations with each seed's calibration sequences at each sequence budget (one per batch),
 scored on 2,000 test sequences by the cosine of its pooled output to the exact model's.
 
@@ -30,9 +30,7 @@ import shlex
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from latte_plugin.storage import atomic_write_json
 
@@ -89,7 +87,7 @@ def _choice(rep: dict) -> dict:
 
 def job_arguments(model: str, seed: int, num_images: int) -> argparse.Namespace:
     """The main job's arguments (its own parser, so every flag has its default) for one model and split."""
-    from main_job import parser
+    from experiments.main_job import parser
 
     config, ckpt = MODELS[model]
     return parser().parse_args(["--config", config, "--checkpoint", ckpt, "--data-root", _split(seed),
@@ -100,8 +98,8 @@ def job_arguments(model: str, seed: int, num_images: int) -> argparse.Namespace:
 def sweep_detector(model: str, seed: int, budgets: list, results: dict, path: str,
                    names: tuple = tuple(DETECTOR_ROWS)) -> None:
     """The exact row and every (budget, row of ``names``) not yet in ``results`` for one model and split."""
-    from main_job import build
-    from main_job_rows import ROWS, run_row
+    from experiments.main_job import build
+    from experiments.main_job_rows import ROWS, run_row
 
     rows = {r.name: r for r in ROWS}
     todo = [(b, r) for b in budgets for r in names if b in ONLY_AT.get(r, (b,))
@@ -128,8 +126,8 @@ def sweep_sequence(seed: int, budgets: list, results: dict, path: str) -> None:
     """The sequence model's three configurations at each budget, calibrated on ``seed``'s sequences."""
     import torch
 
-    import sequence_job as job
-    import sequence_task as task
+    from experiments import sequence_job as job
+    from experiments import sequence_task as task
     from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch
 
     todo = [(b, r) for b in budgets for r in ("paper", "previous", "ours")
@@ -163,7 +161,7 @@ def main(argv=None) -> dict:
 
     results, t0 = _load(a.results), time.time()
     args = [os.path.relpath(x, ROOT) if os.path.isabs(x) and x.startswith(ROOT) else x for x in (argv or sys.argv[1:])]
-    results.update(command="python tools/evidence/sweep_defaults.py " + shlex.join(args),
+    results.update(command="python -m experiments.sweep_defaults " + shlex.join(args),
                    split=SPLIT, rows={r: ALL_ROWS[r] for r in a.rows})
     for seed in a.seeds:
         if a.sequence_budgets:

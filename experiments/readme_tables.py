@@ -2,8 +2,8 @@
 """Regenerates the tables of the README and of the docs/ pages from the committed result files
 under ``results/``.
 
-    python tools/evidence/readme_tables.py           # rewrite README.md and docs/*.md in place
-    python tools/evidence/readme_tables.py --check   # exit 1 (and show the first difference) if one is stale
+    python -m experiments.readme_tables           # rewrite README.md and docs/*.md in place
+    python -m experiments.readme_tables --check   # exit 1 (and show the first difference) if one is stale
 
 Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` markers, on
 whichever page holds it; NAME picks the renderer and its result file (see :data:`TABLES`).
@@ -20,7 +20,7 @@ import re
 import sys
 from typing import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
 README = os.path.join(ROOT, "README.md")
 
@@ -278,7 +278,7 @@ def onnx_cpu_table() -> str:
 
 
 def sequence_table() -> str:
-    """tools/evidence/sequence_job.py: the generic entry on the marker-retrieval encoder trained here."""
+    """experiments/sequence_job.py: the generic entry on the marker-retrieval encoder trained here."""
     res = _load("sequence_job.json")
     exact = next(r for r in res["rows"] if r["row"] == "exact")
     rows = []
@@ -315,10 +315,9 @@ def headline_table() -> str:
 
 
 def sweep_table() -> str:
-    """tools/evidence/sweep_defaults.py: the defaults against the paper's protocol and the previous
-    defaults over generated splits and budgets (tools/evidence/sweep_report.py)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import sweep_report
+    """experiments/sweep_defaults.py: the defaults against the paper's protocol and the previous
+    defaults over generated splits and budgets (experiments/sweep_report.py)."""
+    from experiments import sweep_report
 
     entries = sweep_report.load_entries(RESULTS)
     cmds = sorted({_load(os.path.basename(p))["command"] for p in sweep_report.glob.glob(
@@ -327,9 +326,8 @@ def sweep_table() -> str:
 
 
 def judge_table() -> str:
-    """tools/evidence/judge_report.py: the detection judge against the output judge on held-out splits."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import judge_report
+    """experiments/judge_report.py: the detection judge against the output judge on held-out splits."""
+    from experiments import judge_report
 
     files = ["judge_heldout.json"] + sorted(os.path.basename(p) for p in judge_report.glob.glob(
         os.path.join(RESULTS, "main_job_deimv2_vit_seed*.json")) if "seed606" not in p)
@@ -413,7 +411,7 @@ def main(argv=None) -> int:
         if a.check:
             diff = "".join(list(difflib.unified_diff(text.splitlines(True), new.splitlines(True), name,
                                                      "regenerated"))[:40])
-            print(f"{name} is stale: run python tools/evidence/readme_tables.py\n{diff}")
+            print(f"{name} is stale: run python -m experiments.readme_tables\n{diff}")
             stale = 1
             continue
         from latte_plugin.storage import atomic_write
@@ -424,5 +422,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

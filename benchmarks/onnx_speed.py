@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """onnxruntime CPU latency of exact vs LATTE-hybrid graphs, side by side in one run.
 
-    python benchmarks/onnx.py [--ns 1024 4096 16384] [--sizes 800x1333 1600x2666] [--reps 3]
+    python -m benchmarks.onnx_speed [--ns 1024 4096 16384] [--sizes 800x1333 1600x2666] [--reps 3]
         [--threads 2] [--json results/onnx_cpu.json]
 
 Two parts, each graph exported by :func:`latte_plugin.export_onnx` and timed in onnxruntime
@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
 import torch
 from torch import nn
 
-# this script's folder (sys.path[0]) would shadow the onnx package with this file: the repository root instead
-sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from latte_plugin.export import export_onnx, session_for
 from latte_plugin.nn.install import find_latte_layers, set_modes
-from latte_plugin.export import export_onnx, session_for  # noqa: E402
 
 
 def best_ms(session, feeds: dict, reps: int) -> float:

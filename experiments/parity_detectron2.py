@@ -2,7 +2,7 @@
 """mmdet's CocoMetric vs detectron2's COCOEvaluator on the same checkpoints, through each
 framework's own evaluation script; writes ``results/parity_detectron2.json``.
 
-    python tools/evidence/parity_detectron2.py [--models cond_detr rtdetr] [--detectron2-src SRC]
+    python experiments/parity_detectron2.py [--models cond_detr rtdetr] [--detectron2-src SRC]
         [--out results/parity_detectron2.json] [--work-dir work_dirs/parity]
 
 For each embedded model: ``tools/calibrate.py`` (defaults) on its mmdet config, then mmdet's
@@ -22,8 +22,7 @@ import sys
 import tarfile
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {
     "cond_detr": dict(name="Conditional DETR", mmdet="configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py",
@@ -47,7 +46,7 @@ def d2_script(src: str, into: str) -> str:
 
 def run(cmd: list[str], log: str) -> str:
     """Runs ``cmd`` (output to ``log``); returns the output. Raises with the log's tail on failure."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     with open(log, "w", encoding="utf-8") as f:
         f.write(res.stdout + res.stderr)
@@ -103,7 +102,7 @@ def main(argv=None) -> dict:
             say(f"[parity] {row['model']:16s} {state:42s} mmdet {row['mmdet_bbox_mAP']:.3f}  "
                 f"detectron2 {row['detectron2_AP']:.2f}")
     commit = "02b5c4e295e990042a714712c21dc79b731e8833"
-    out = {"rows": rows, "detectron2_commit": commit, "command": "python tools/evidence/parity_detectron2.py"}
+    out = {"rows": rows, "detectron2_commit": commit, "command": "python experiments/parity_detectron2.py"}
     atomic_write_json(out, a.out)
     say(f"results: {a.out}")
     return out

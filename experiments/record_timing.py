@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Runs a command, measures its wall time, and records it in ``results/timings.json``.
 
-    python tools/evidence/record_timing.py --machine "fresh cache, 2 cores" [--note TEXT] -- bash tools/test.sh
-    python tools/evidence/record_timing.py --machine ... --seconds 812 -- bash tools/demo.sh   # timed by the shell
+    python -m experiments.record_timing --machine "fresh cache, 2 cores" [--note TEXT] -- bash tools/test.sh
+    python -m experiments.record_timing --machine ... --seconds 812 -- bash tools/demo.sh   # timed by the shell
 
 The row is keyed by (command, machine): a new measurement replaces the old one. The README's
-timings table is generated from this file (``tools/evidence/readme_tables.py``). The command's output
+timings table is generated from this file (``experiments/readme_tables.py``). The command's output
 passes through; its exit status is returned (and a failed run is not recorded).
 """
 from __future__ import annotations
@@ -18,8 +18,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:

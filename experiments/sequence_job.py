@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The evidence beyond detectors: LATTE through the generic entry (``latte_plugin.linearize``)
-on the marker-retrieval encoder trained here (``tools/evidence/sequence_task.py``), 4 of 6 layers linear.
+on the marker-retrieval encoder trained here (``experiments/sequence_task.py``), 4 of 6 layers linear.
 
-    python tools/evidence/sequence_job.py [--results results/sequence_job.json]
+    python -m experiments.sequence_job [--results results/sequence_job.json]
 
 Rows: the exact model; the uniform-attention control (every layer averages its values); the
 paper's protocol (sigma, per-layer score, all images fitted) for LATTE and QT-ViT; the package
@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools", "evidence"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import sequence_task as task  # noqa: E402
+from experiments import sequence_task as task
 from latte_plugin import linearize, swap_attention  # noqa: E402
 from latte_plugin.nn.install import find_latte_layers, set_modes
 from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch  # noqa: E402
@@ -107,7 +104,7 @@ def main(argv=None) -> dict:
             r = rows[-1]
             print(f"{budget:7s} {name:22s} acc {r['accuracy']:.3f}  cos {r['cosine']:.4f}  "
                   f"{r.get('linearized', '')} {r.get('selection') or ''} {r['seconds']:.0f}s", flush=True)
-    result = {"command": "python tools/evidence/sequence_job.py", "seconds": round(time.time() - t0, 1),
+    result = {"command": "python -m experiments.sequence_job", "seconds": round(time.time() - t0, 1),
               "calibration": {b: f"{c // p} batches of {p} sequence(s) (seed 3)" for b, (c, p) in BUDGETS.items()},
               "test": "2000 sequences (seed 7)", "rows": rows}
     if a.results:

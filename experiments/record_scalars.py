@@ -3,19 +3,17 @@
 the 16-bit kernel tests (``tests/test_triton_kernel.py``): they must hold for the scalars real
 calibrations produce, not only for hand-picked ones.
 
-    python tools/evidence/record_scalars.py NAME=CKPT [NAME=CKPT ...] [--out tests/data/calibrated_scalars.json]
+    python -m experiments.record_scalars NAME=CKPT [NAME=CKPT ...] [--out tests/data/calibrated_scalars.json]
 
-CKPT is a calibrated checkpoint (``tools/calibrate.py`` or ``tools/evidence/main_job.py``'s
+CKPT is a calibrated checkpoint (``tools/calibrate.py`` or ``experiments/main_job.py``'s
 ``latte_calibrated.pth``); NAME prefixes its layers in the file.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def linear_layer_scalars(path: str) -> list[dict]:
@@ -54,7 +52,7 @@ def main(argv=None) -> dict:
         if not layers:
             raise SystemExit(f"error: {path} has no linear LATTE layer; pass a calibrated checkpoint")
         rows += [dict(name=f"{name}:{r['layer']}", checkpoint=os.path.relpath(path, ROOT), **r) for r in layers]
-    result = {"command": "python tools/evidence/record_scalars.py " + " ".join(a.checkpoints), "layers": rows}
+    result = {"command": "python -m experiments.record_scalars " + " ".join(a.checkpoints), "layers": rows}
     atomic_write_json(result, a.out)
     print(f"{len(rows)} linear layers -> {a.out} (rho from {min(min(r['rho']) for r in rows):.3g} "
           f"to {max(max(r['rho']) for r in rows):.3g})")

@@ -3,18 +3,17 @@
 architecture and its default input size, as :mod:`latte_plugin.hf.discovery` classifies them
 (one probe forward, random weights: the structure does not depend on them).
 
-    python tools/evidence/families.py --results results/families.json
+    python -m experiments.families --results results/families.json
 
-The README's family table is generated from the JSON (tools/evidence/readme_tables.py).
+The README's family table is generated from the JSON (experiments/readme_tables.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def family_row(name: str) -> dict:
@@ -46,12 +45,11 @@ def main(argv=None) -> dict:
     from latte_plugin.hf.detectors import FAMILIES
 
     names = a.families or list(FAMILIES)
-    out = {"command": "python tools/evidence/families.py --results results/families.json",
+    out = {"command": "python -m experiments.families --results results/families.json",
            "rows": [family_row(n) for n in progress(names, len(names), "families")]}
     atomic_write(a.results, lambda f: f.write(json.dumps(out, indent=1).encode("utf-8")))
     return out
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     main()

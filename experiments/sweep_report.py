@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Reads the defaults sweep (``results/sweep_defaults_*.json``, written by
-``tools/evidence/sweep_defaults.py``): the README's table and the plot of quality kept
+``experiments/sweep_defaults.py``): the README's table and the plot of quality kept
 against budget.
 
-    python tools/evidence/sweep_report.py [--plot results/sweep_defaults.png]
+    python -m experiments.sweep_report [--plot results/sweep_defaults.png]
 
 The noise allowance of the goal "ours >= max(paper, previous) - noise" is measured, not set:
 for a detector it is the standard deviation of the *exact* model's bbox mAP over the sweep's
@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
 MODELS = (("cond_detr", "Conditional DETR"), ("rtdetr", "RT-DETR"), ("sequence", "sequence model"))
 ROWS = (("paper", "paper's protocol"), ("previous", "previous defaults"), ("ours", "ours"))
@@ -156,7 +156,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    import sys
 
-    sys.path.insert(0, ROOT)
     main()

@@ -269,10 +269,10 @@ def row_fits(rep: dict) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    """Lists the rows (this file is imported by ``tools/evidence/main_job.py``; run that one)."""
+    """Lists the rows (this file is imported by ``experiments/main_job.py``; run that one)."""
     import argparse
 
-    p = argparse.ArgumentParser(description="The main job's rows (imported by tools/evidence/main_job.py, which runs them; "
+    p = argparse.ArgumentParser(description="The main job's rows (imported by experiments/main_job.py, which runs them; "
                                             "pass names to its --rows). Lists each row and the settings it changes.")
     p.parse_args(argv)
     for row in ROWS:
