@@ -1,4 +1,4 @@
-"""Output corrections of a linear layer and their nested cross-fitting (``docs/method.md#corrections``,
+"""Output corrections of a linear layer and their nested cross-fitting (``docs/method.md#output-correction``,
 ``docs/method.md#cross-fitting``).
 
 A correction maps the linear layer's output ``o`` to ``[o, 1] W`` (``W`` ``(C+1, C)``): none,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -109,18 +110,27 @@ def _two_key_image(img: np.ndarray, size: int, width: int, rng: np.random.Genera
     return objects
 
 
-def _write_image(img: np.ndarray, split: str, i: int, img_dir: str, width: int, size: int, objects: list,
-                 images: list, annotations: list, coco_layout: bool) -> None:
-    """Writes image ``i`` and appends its COCO records (annotation ids continue from the last)."""
+@dataclass
+class _Records:
+    """One split's image folder and the COCO records written so far."""
+
+    img_dir: str
+    coco_layout: bool
+    images: list = field(default_factory=list)
+    annotations: list = field(default_factory=list)
+
+
+def _write_image(records: _Records, img: np.ndarray, split: str, i: int, objects: list) -> None:
+    """Writes image ``i`` ``(H, W, 3)`` and appends its COCO records (annotation ids continue from the last)."""
     import cv2
 
     name = f"{split}_{i:05d}.png"
-    cv2.imwrite(os.path.join(img_dir, name), img)
-    images.append({"id": i + 1, "file_name": name, "width": width, "height": size})
+    cv2.imwrite(os.path.join(records.img_dir, name), img)
+    records.images.append({"id": i + 1, "file_name": name, "width": img.shape[1], "height": img.shape[0]})
     for x0, y0, s, cls in objects:
-        annotations.append({"id": len(annotations) + 1, "image_id": i + 1,
-                            "category_id": COCO_LAYOUT_IDS[cls] if coco_layout else cls + 1,
-                            "bbox": [x0, y0, s, s], "area": s * s, "iscrowd": 0})
+        records.annotations.append({"id": len(records.annotations) + 1, "image_id": i + 1,
+                                    "category_id": COCO_LAYOUT_IDS[cls] if records.coco_layout else cls + 1,
+                                    "bbox": [x0, y0, s, s], "area": s * s, "iscrowd": 0})
 
 
 def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.Generator,
@@ -133,7 +143,7 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
 
     img_dir = os.path.join(out_dir, split + ("2017" if coco_layout else ""))
     os.makedirs(img_dir, exist_ok=True)
-    images, annotations = [], []
+    records = _Records(img_dir, coco_layout)
     # the option's single-key images use its larger key and margin too (the same look as its pairs)
     key_size, key_margin = (size // 8, size // 8) if two_keys else (max(8, size // 14), size // 16)
     for i in range(num_images):
@@ -141,7 +151,7 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
         img = cv2.resize(noise, (width, size), interpolation=cv2.INTER_CUBIC)
         if two_keys and rng.random() < two_keys:
             objects = _two_key_image(img, size, width, rng)
-            _write_image(img, split, i, img_dir, width, size, objects, images, annotations, coco_layout)
+            _write_image(records, img, split, i, objects)
             continue
         context = CONTEXTS[int(rng.integers(0, len(CONTEXTS)))]
         placed: list[tuple[int, int, int]] = []
@@ -164,10 +174,10 @@ def _split(out_dir: str, split: str, num_images: int, size: int, rng: np.random.
             if not _overlaps((kx, ky, key_size), placed, margin=key_margin):
                 break
         cv2.rectangle(img, (kx, ky), (kx + key_size - 1, ky + key_size - 1), _KEY_BGR[context], thickness=-1)
-        _write_image(img, split, i, img_dir, width, size, objects, images, annotations, coco_layout)
+        _write_image(records, img, split, i, objects)
     categories = ([{"id": i, "name": n, "supercategory": "none"} for i, n in COCO_CATEGORIES] if coco_layout
                   else [{"id": i + 1, "name": n} for i, n in enumerate(CLASSES)])
-    coco = {"images": images, "annotations": annotations, "categories": categories}
+    coco = {"images": records.images, "annotations": records.annotations, "categories": categories}
     os.makedirs(os.path.join(out_dir, "annotations"), exist_ok=True)
     name = f"instances_{split}2017.json" if coco_layout else f"instances_{split}.json"
     with open(os.path.join(out_dir, "annotations", name), "w") as f:

@@ -66,7 +66,10 @@ class Family:
     probe_size: int = 128
 
 
-def _family(name, model, config, processor, scores, normalize, mask, arch, size, probe_size=128) -> Family:
+def _family(name: str, classes: tuple[str, str, str], scores: str, normalize: bool, mask: bool, arch: str,
+            size: tuple, probe_size: int = 128) -> Family:
+    """A :class:`Family`; ``classes``: its transformers model, config and image processor class names."""
+    model, config, processor = classes
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if normalize else (None, None)
     top_k = 100 if processor in ("DeformableDetrImageProcessor", "ConditionalDetrImageProcessor") else None
     return Family(name, model, config, processor, scores, mean, std, mask, arch, size, top_k, probe_size)
@@ -74,25 +77,26 @@ def _family(name, model, config, processor, scores, normalize, mask, arch, size,
 
 #: The families, by transformers ``model_type``.
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    _family("rt_detr", "RTDetrForObjectDetection", "RTDetrConfig", "RTDetrImageProcessor", "sigmoid", False, True,
+    _family("rt_detr", ("RTDetrForObjectDetection", "RTDetrConfig", "RTDetrImageProcessor"), "sigmoid", False, True,
             "rt_detr_r18vd", (640, 640)),
-    _family("rt_detr_v2", "RTDetrV2ForObjectDetection", "RTDetrV2Config", "RTDetrImageProcessor", "sigmoid", False,
+    _family("rt_detr_v2", ("RTDetrV2ForObjectDetection", "RTDetrV2Config", "RTDetrImageProcessor"), "sigmoid", False,
             True, "rt_detr_v2_r18vd", (640, 640)),
-    _family("d_fine", "DFineForObjectDetection", "DFineConfig", "RTDetrImageProcessor", "sigmoid", False, True,
+    _family("d_fine", ("DFineForObjectDetection", "DFineConfig", "RTDetrImageProcessor"), "sigmoid", False, True,
             "d_fine_s", (640, 640)),
-    _family("deimv2", "Deimv2ForObjectDetection", "Deimv2Config", "RTDetrImageProcessor", "sigmoid", True, True,
+    _family("deimv2", ("Deimv2ForObjectDetection", "Deimv2Config", "RTDetrImageProcessor"), "sigmoid", True, True,
             "deimv2_dinov3_s", (640, 640)),
-    _family("lw_detr", "LwDetrForObjectDetection", "LwDetrConfig", "DeformableDetrImageProcessor", "sigmoid", True,
+    _family("lw_detr", ("LwDetrForObjectDetection", "LwDetrConfig", "DeformableDetrImageProcessor"), "sigmoid", True,
             True, "lw_detr_tiny", (640, 640), probe_size=256),
-    _family("rf_detr", "RfDetrForObjectDetection", "RfDetrConfig", "RfDetrImageProcessor", "sigmoid", True, True,
+    _family("rf_detr", ("RfDetrForObjectDetection", "RfDetrConfig", "RfDetrImageProcessor"), "sigmoid", True, True,
             "rf_detr_nano", (384, 384), probe_size=288),
-    _family("yolos", "YolosForObjectDetection", "YolosConfig", "YolosImageProcessor", "softmax", True, False,
+    _family("yolos", ("YolosForObjectDetection", "YolosConfig", "YolosImageProcessor"), "softmax", True, False,
             "yolos_tiny", (800, 1333)),
-    _family("conditional_detr", "ConditionalDetrForObjectDetection", "ConditionalDetrConfig",
-            "ConditionalDetrImageProcessor", "sigmoid", True, True, "conditional_detr_r50", (800, 1333)),
-    _family("deformable_detr", "DeformableDetrForObjectDetection", "DeformableDetrConfig",
-            "DeformableDetrImageProcessor", "sigmoid", True, True, "deformable_detr_r50", (800, 1333)),
+    _family("conditional_detr", ("ConditionalDetrForObjectDetection", "ConditionalDetrConfig",
+                                 "ConditionalDetrImageProcessor"), "sigmoid", True, True, "conditional_detr_r50", (800, 1333)),
+    _family("deformable_detr", ("DeformableDetrForObjectDetection", "DeformableDetrConfig",
+                                "DeformableDetrImageProcessor"), "sigmoid", True, True, "deformable_detr_r50", (800, 1333)),
 )}
+
 
 def family_of(name_or_model: Union[str, nn.Module]) -> Family:
     """The :class:`Family` of a ``model_type`` or of a built transformers model."""

@@ -29,12 +29,13 @@ or :func:`set_enabled` forces the eager path.
 from __future__ import annotations
 
 import os
+from dataclasses import astuple, dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["available", "supported", "set_enabled", "triton_latte_attention"]
+__all__ = ["available", "supported", "set_enabled", "Launch", "triton_latte_attention"]
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
@@ -161,11 +162,18 @@ def _per_head(x, heads: int, device) -> Tensor:
     return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(-1).expand(heads).contiguous()
 
 
-def triton_latte_attention(
-    q: Tensor, k: Tensor, v: Tensor, m: "Tensor | float", rho: "Tensor | float",
-    key_padding_mask: Optional[Tensor] = None, eps: float = _EPS, block_m: int = 64, block_n: int = 64,
-    splits: Optional[int] = None,
-) -> Tensor:
+@dataclass(frozen=True)
+class Launch:
+    """How the two kernels are launched: ``block_m`` keys and ``block_n`` queries per block (powers
+    of two), ``splits`` key slices per (batch, head) (default: enough for about 512 programs in all)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    splits: Optional[int] = None
+
+
+def triton_latte_attention(q: Tensor, k: Tensor, v: Tensor, m: "Tensor | float", rho: "Tensor | float",
+                           key_padding_mask: Optional[Tensor] = None, **launch: Optional[int]) -> Tensor:
     """Fused LATTE attention: the same contract as :func:`~latte_plugin.ops.latte.fused_latte_attention`.
 
     Args:
@@ -173,8 +181,7 @@ def triton_latte_attention(
         m: ``sqrt(1 - alpha)`` (1 for ``jpn_only``), a scalar or one per head.
         rho: ``delta_q delta_k / (beta_q beta_k)``, a scalar or one per head.
         key_padding_mask: ``(B, M)`` bool, ``True`` = padded.
-        block_m, block_n: key and query block sizes (powers of two).
-        splits: key slices per (batch, head); default: enough for about 512 programs in all.
+        **launch: :class:`Launch` fields by name (``block_m``, ``block_n``, ``splits``).
 
     Returns:
         ``(B, H, N, d_v)`` in the input dtype.
@@ -184,6 +191,7 @@ def triton_latte_attention(
     if not supported(q, k, v):
         raise ValueError(f"the Triton LATTE kernel takes float32/16/bf16 (one dtype) and power-of-two head dims "
                          f"16..128; got {q.dtype}/{k.dtype}/{v.dtype}, d={q.shape[-1]}, d_v={v.shape[-1]}")
+    block_m, block_n, splits, eps = *astuple(Launch(**launch)), _EPS
     b, h, n, d = q.shape
     mk, dv = k.shape[-2], v.shape[-1]
     dev = q.device
