@@ -184,7 +184,7 @@ def build(a: argparse.Namespace):
         raise SystemExit(f"error: {e}") from None
     if a.num_images:
         base.num_images = a.num_images
-    base.signal = base.signal and not a.no_signal
+    base = dataclasses.replace(base, signal=base.signal and not a.no_signal)
     drop_linearize_hook(cfg)
     cfg.load_from = None  # only --checkpoint ('none': the init weights)
     cfg.work_dir = a.work_dir

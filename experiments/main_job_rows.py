@@ -180,7 +180,7 @@ def run_rows(runner, batches: list, base: LatteConfig, rows: Optional[list] = No
         calibrations = None
         if len(members) > 1:
             first = dataclasses.replace(copy.deepcopy(base), **row.changes)
-            first.signal = first.signal and not any(rep.get("signal") for rep in reports.values())
+            first = dataclasses.replace(first, signal=first.signal and not any(rep.get("signal") for rep in reports.values()))
             calibrations = calibrate_ratios(ADAPTER, model, batches, first,
                                             [dataclasses.replace(copy.deepcopy(base), **m.changes).ratio
                                              for m in members])

@@ -52,7 +52,7 @@ def add_latte_arguments(p: argparse.ArgumentParser) -> None:
         elif isinstance(default, (tuple, list)):
             kw.update(nargs="+", type=type(default[0]) if default else str, metavar=f.name.upper())
         else:
-            kw["type"] = (float if "float" in str(f.type) else int) if default is None else type(default)
+            kw["type"] = (float if "float" in str(f.type) else str if "str" in str(f.type) else int) if default is None else type(default)
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
         target = exclusive if f.name in ("ratio", "num_linear") else g
