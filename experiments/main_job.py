@@ -10,6 +10,7 @@ and ``latte_kept.png``, and prints the table.
 """
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import math
 import os

@@ -151,11 +151,11 @@ def main(argv=None) -> dict:
 
     args.work_dir = args.work_dir or os.path.join("work_dirs", os.path.splitext(os.path.basename(args.config))[0])
     log_path = os.path.join(args.work_dir, "calibrate.log")
-    if not os.path.isfile(args.config):
-        raise SystemExit(f"error: {args.config}: no such config file; give the path of an mmdet config or a "
-                         "detectron2 LazyConfig (e.g. configs/mmdet/detr_r50_latte_coco.py)")
     try:
         LatteConfig.from_dict(latte_overrides(args))  # a bad setting: one line, before anything is built
+        if not os.path.isfile(args.config):
+            raise SystemExit(f"error: {args.config}: no such config file; give the path of an mmdet config or a "
+                             "detectron2 LazyConfig (e.g. configs/mmdet/detr_r50_latte_coco.py)")
         with quiet(log_path, enabled=not args.verbose):
             report = run(args)
     except (CheckpointError, ValueError, FileNotFoundError) as e:  # one line that names the file or setting and says what to do
