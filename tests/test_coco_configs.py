@@ -220,7 +220,7 @@ def _d2_script():
     if os.path.isfile(src):
         import tempfile
 
-        import parity_detectron2
+        from experiments import parity_detectron2
 
         return parity_detectron2.d2_script(src, tempfile.mkdtemp())
     return None

@@ -39,8 +39,9 @@ def _summary(model, rep):
 def _calibrate(batches, all_reduce=None, shard=(0, 1)):
     model = ToyEncoder().eval()
     swap_mha(model, CFG["candidates"])
-    rep = calibrate_model(model, batches, lambda b: model(b), LatteConfig(**CFG), all_reduce=all_reduce,
-                          log=lambda s: None, shard=shard)
+    host = dict(all_reduce=all_reduce) if all_reduce is not None else {}
+    rep = calibrate_model(model, batches, lambda b: model(b), LatteConfig(**CFG), log=lambda s: None, shard=shard,
+                          **host)
     return _summary(model, rep)
 
 

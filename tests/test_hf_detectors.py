@@ -138,7 +138,7 @@ def test_postprocess_equals_its_naive_reference(kind):
 
 
 def test_every_architecture_json_names_a_family():
-    names = {os.path.splitext(n)[0] for n in os.listdir(os.path.join(ROOT, "configs", "hf", "coco"))}
+    names = {os.path.splitext(n)[0] for n in os.listdir(os.path.join(ROOT, "latte_plugin", "resources", "architectures"))}
     assert names == {f.architecture for f in FAMILIES.values()}
 
 

@@ -29,7 +29,7 @@ for kind, name in json.loads(sys.argv[1]):
         code = e.code
     except BaseException as e:  # an import error or a crash: reported, not raised
         code = f"{type(e).__name__}: {e}"
-    out[name] = [code, buf.getvalue()[-300:]]
+    out[name] = [code, buf.getvalue()[:300]]
 print("RESULTS" + json.dumps(out))
 """
 
