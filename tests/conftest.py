@@ -8,8 +8,13 @@ if not torch.cuda.is_available():
     # transformers) imports triton, which reads it once (tests/test_triton_kernel.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one worker per core (tools/test.sh): torch, and the processes a test starts, on one thread each,
+    # so two workers do not fight over the two cores
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the scripts the tests import as modules: the user's commands (tools/) and the evidence jobs (experiments/)
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +63,11 @@ def require(module: str):
         reason = OPTIONAL[top] if missing else f"{module} cannot be imported ({e}): {OPTIONAL[top]}"
         pytest.skip(reason, allow_module_level=True)
 
+
+#: The paper's protocol (score selection, sigma correction, no compensation, no signal) for the tests
+#: of the frameworks' plumbing: the adaptive defaults' searches are what tests/test_configurations.py,
+#: tests/test_core_calibration.py and the two-process launches cover.
+PAPER = dict(selection="score", correction="sigma", compensate="never", signal=False)
 
 TINY_CFG = os.path.join(ROOT, "configs", "mmdet", "detr_tiny_latte_synthetic.py")
 

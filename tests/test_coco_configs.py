@@ -22,7 +22,7 @@ from latte_plugin.cli import calibrate as calibrate_tool
 from latte_plugin.cli import convert_rtdetr_original as converter
 
 MMDET_CONFIGS = os.path.join(ROOT, "configs", "mmdet")
-SIDE = 320  # test-time input size (the configs' own: 1333x800 for DETR, 640x640 for RT-DETR)
+SIDE = 160  # test-time input size (the configs' own: 1333x800 for DETR, 640x640 for RT-DETR): keys and wiring under test
 FAST = ["--num-images", "2", "--steps", "1", "--greedy-images", "1"]
 
 
@@ -30,7 +30,7 @@ FAST = ["--num-images", "2", "--steps", "1", "--greedy-images", "1"]
 def coco_root(tmp_path_factory):
     from latte_plugin.data.synthetic import make_coco_layout
 
-    return make_coco_layout(str(tmp_path_factory.mktemp("coco")), num_train=2, num_val=4, size=256, seed=1)
+    return make_coco_layout(str(tmp_path_factory.mktemp("coco")), num_train=2, num_val=4, size=SIDE, seed=1)
 
 
 def _resize_to(pipeline, side: int) -> None:

@@ -168,11 +168,11 @@ def test_calibrate_tool_on_a_lazyconfig_and_map_parity_with_mmdet(synthetic_data
 
 
 @pytest.fixture(scope="module")
-def train_split_of_40(tmp_path_factory):
-    """A train split larger than num_images (40 > 16): which 16 are taken must not depend on the ranks."""
+def train_split_of_12(tmp_path_factory):
+    """A train split larger than num_images (12 > 7): which 7 are taken must not depend on the ranks."""
     from latte_plugin.data.synthetic import make_synthetic_coco
 
-    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic40")), num_train=40, num_val=2, size=128, seed=5)
+    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic12")), num_train=12, num_val=2, size=128, seed=5)
 
 
 def _launch_worker(out, data_root):
@@ -182,12 +182,12 @@ def _launch_worker(out, data_root):
     from latte_plugin.calibration.config import LatteConfig
 
     torch.set_num_threads(1)
-    cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never", prefix="latte_test40")
+    cfg = _lazy(data_root, f"model.mmdet_config={TINY_CFG}", "model.latte.calibrate=never", prefix="latte_test12")
     torch.manual_seed(0)
     model = instantiate(cfg.model).eval()
     loader = instantiate(cfg.model.calibration_loader)  # the COCO configs' loader: InferenceSampler, blocks per rank
     rep = d2p.calibrate_detector(model, loader, LatteConfig(candidates=["encoder.layers.*.self_attn"],
-                                                            num_images=16, steps=5, max_queries=10000,
+                                                            num_images=7, steps=5, max_queries=10000,
                                                             max_items=12, correction="refit"))
     if comm.is_main_process():
         state = {k: v.clone() for k, v in model.state_dict().items() if ".latte." in k}
@@ -195,10 +195,10 @@ def _launch_worker(out, data_root):
 
 
 @pytest.mark.timeout(600)
-def test_detectron2_launch_two_processes_matches_one(train_split_of_40, tmp_path):
+def test_detectron2_launch_two_processes_matches_one(train_split_of_12, tmp_path):
     """detectron2's own ``launch``, 2 gloo processes, the LazyConfig's calibration loader
-    (``InferenceSampler``: rank 0 holds images 0-19, rank 1 images 20-39), 16 of 40 train images:
-    the same images as 1 process (the first 16), the same selection, and every LATTE buffer
+    (``InferenceSampler``: rank 0 holds images 0-5, rank 1 images 6-11), 7 of 12 train images:
+    the same images as 1 process (the first 7, from both ranks), the same selection, and every LATTE buffer
     (m, log_rho, sigma, refit weight and bias, modes) within 1e-5."""
     from detectron2.engine import launch
 
@@ -206,10 +206,10 @@ def test_detectron2_launch_two_processes_matches_one(train_split_of_40, tmp_path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     two, one = str(tmp_path / "two.pt"), str(tmp_path / "one.pt")
-    launch(_launch_worker, 2, dist_url=f"tcp://127.0.0.1:{port}", args=(two, train_split_of_40))
-    _launch_worker(one, train_split_of_40)
+    launch(_launch_worker, 2, dist_url=f"tcp://127.0.0.1:{port}", args=(two, train_split_of_12))
+    _launch_worker(one, train_split_of_12)
     a, b = torch.load(two, weights_only=True), torch.load(one, weights_only=True)
-    assert sum(b["images"].values()) == 16 and a["images"] == b["images"]
+    assert sum(b["images"].values()) == 7 and a["images"] == b["images"]
     assert a["linearized"] == b["linearized"]
     assert any(k.endswith("refit_weight") and not torch.equal(v, torch.eye(v.shape[0])) for k, v in b["state"].items())
     assert a["state"].keys() == b["state"].keys()
@@ -292,13 +292,13 @@ def test_both_hooks_take_the_same_options_and_write_the_report(synthetic_data, t
     assert saved["linearized"] == hook.report["linearized"] and len(saved["linearized"]) == 4
 
 
-def test_registering_another_split_under_a_used_name_points_it_at_the_new_split(synthetic_data, train_split_of_40):
+def test_registering_another_split_under_a_used_name_points_it_at_the_new_split(synthetic_data, train_split_of_12):
     from detectron2.data import DatasetCatalog
 
     train, _ = d2p.register_synthetic(synthetic_data, prefix="latte_rereg")
     assert len(DatasetCatalog.get(train)) == 8
-    train, _ = d2p.register_synthetic(train_split_of_40, prefix="latte_rereg")
-    assert len(DatasetCatalog.get(train)) == 40
+    train, _ = d2p.register_synthetic(train_split_of_12, prefix="latte_rereg")
+    assert len(DatasetCatalog.get(train)) == 12
 
 
 def test_a_checkpoint_calibrated_for_other_candidates_is_refused(synthetic_data, tmp_path):

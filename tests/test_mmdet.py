@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, require, tiny_cfg
+from tests.conftest import PAPER, ROOT, require, tiny_cfg
 
 require("mmcv.ops")
 require("mmdet.models")
@@ -140,7 +140,7 @@ def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
 
     from latte_plugin.mmdet.workflow import run_calibration
 
-    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20, **PAPER)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"), evaluate=True)
@@ -274,7 +274,7 @@ def test_calibrated_checkpoint_from_another_config_is_refused(synthetic_data, tm
 
     from latte_plugin.mmdet.workflow import run_calibration
 
-    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=2, steps=5)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=2, steps=5, **PAPER)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"))
@@ -303,34 +303,22 @@ def _latte_state(path):
     return {k: v for k, v in state.items() if ".latte." in k}
 
 
-@pytest.fixture(scope="module")
-def synthetic_256_of_12(tmp_path_factory):
-    """A train split larger than the calibration set (12 > 7 images), at the embedded models' size."""
-    from latte_plugin.data.synthetic import make_synthetic_coco
-
-    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic256x12")), num_train=12, num_val=2, size=256,
-                               seed=4)
-
-
 @pytest.mark.timeout(900)
-def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(synthetic_256_of_12, tmp_path):
-    """tools/calibrate.py under torchrun (2 CPU processes, gloo, mmengine's launcher) on the
-    embedded Conditional DETR at its real shapes (256 tokens, 8 heads of 32; 128 of 256 query
-    tokens sampled per image), batches of 2 images and 7 of 12 train images (7 does not divide
-    by 2 ranks or by the batch): the same 7 images (positions per image, not per batch), the
-    same selection and every fitted buffer (m, log_rho, sigma, refit weights and bias) within
-    1e-5 as 1 process; two 1-process runs give an identical report and checkpoint."""
-    cfg = tiny_cfg(synthetic_256_of_12, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
-                                                                          "cond_detr_r18_synthetic_latte.py"),
-                   num_images=7, steps=5, calib_batch_size=2, correction="refit")
-    cfg_path = tmp_path / "embedded.py"
+def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(synthetic_data, tmp_path):
+    """tools/calibrate.py under torchrun (2 CPU processes, gloo, mmengine's launcher) on the tiny
+    DETR (random weights, 6 encoder layers), batches of 2 images and 7 of 8 train images (7 does
+    not divide by 2 ranks or by the batch): the same 7 images (positions per image, not per
+    batch), the same selection and every fitted buffer (m, log_rho, sigma, refit weights and
+    bias) within 1e-5 as 1 process; two 1-process runs give an identical report and checkpoint.
+    The launch is what is tested, so the model is the smallest that has every fitted buffer."""
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=7, steps=5, calib_batch_size=2, correction="refit")
+    cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     tool = os.path.join(ROOT, "tools", "calibrate.py")
-    ckpt = os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth")
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def run(work, *launch, extra=()):
-        out = subprocess.run([*launch, tool, str(cfg_path), "--checkpoint", ckpt, "--work-dir", str(tmp_path / work),
+        out = subprocess.run([*launch, tool, str(cfg_path), "--work-dir", str(tmp_path / work),
                               *extra], capture_output=True, text=True, env=env, cwd=ROOT)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         return _report_core(tmp_path / work / "latte_report.json"), _latte_state(tmp_path / work / "latte_calibrated.pth")
@@ -359,7 +347,7 @@ def _calibrate_tool():
 def test_a_checkpoint_of_another_model_is_refused(synthetic_data, tmp_path):
     """The issue's case: the RT-DETR checkpoint given to the DETR config stops the run with one
     line (counts and examples of the keys), before anything is calibrated or written."""
-    cfg = tiny_cfg(synthetic_data, str(tmp_path / "w"), num_images=2, steps=1)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "w"), num_images=2, steps=1, **PAPER)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     rtdetr = os.path.join(ROOT, "checkpoints", "rtdetr_r18_synthetic.pth")
@@ -447,7 +435,7 @@ def test_hook_applies_mode_and_threshold_to_a_loaded_calibration(synthetic_data,
     and threshold take effect on the linear layers without recalibrating."""
     from mmengine.runner import Runner
 
-    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=2, steps=1, greedy_images=1)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=2, steps=1, **PAPER)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = _calibrate_tool().main([str(cfg_path), "--work-dir", str(tmp_path / "cal")])

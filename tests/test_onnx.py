@@ -111,7 +111,7 @@ def test_onnx_export_tool_on_the_embedded_models_gives_the_torch_map(synthetic_d
 
     config, ckpt = EMBEDDED[name]
     cfg = tiny_cfg(synthetic_data, str(tmp_path / "w"), os.path.join(ROOT, "configs", "mmdet", "embedded", config),
-                   num_images=4, steps=2, greedy_images=2)
+                   num_images=4, steps=2, selection="score", correction="refit", compensate="never", signal=False)
     cfg_path = str(tmp_path / f"{name}.py")
     cfg.dump(cfg_path)
     report = calibrate_tool.main([cfg_path, "--checkpoint", os.path.join(ROOT, "checkpoints", ckpt),
