@@ -104,14 +104,22 @@ def _hf_rtdetr(arch: str, seed: int = 0):
     return RTDetrForObjectDetection(converter.build_config(arch)).eval()
 
 
+@pytest.fixture(scope="module")
+def rtdetr_r50vd_dir(tmp_path_factory):
+    """An HF RT-DETR-R50vd (random weights) written by ``save_pretrained`` once for the module,
+    with the state it was saved from."""
+    hf = _hf_rtdetr("r50vd")
+    hf_dir = str(tmp_path_factory.mktemp("rtdetr_r50vd"))
+    hf.save_pretrained(hf_dir)
+    return hf_dir, hf.state_dict()
+
+
 @pytest.mark.timeout(900)
-def test_rtdetr_r50vd_coco_config_takes_an_hf_directory(coco_root, tmp_path):
+def test_rtdetr_r50vd_coco_config_takes_an_hf_directory(coco_root, rtdetr_r50vd_dir, tmp_path):
     """An HF ``RTDetrForObjectDetection`` directory as published for RT-DETR-R50vd (config.json with
     COCO's 80 labels, model.safetensors) through ``tools/calibrate.py --cfg-options model.pretrained=DIR``:
     the config starts (it failed before: no train_cfg / optim_wrapper), every key lands."""
-    hf = _hf_rtdetr("r50vd")
-    hf_dir = str(tmp_path / "rtdetr_r50vd")
-    hf.save_pretrained(hf_dir)
+    hf_dir, saved = rtdetr_r50vd_dir
     assert json.load(open(os.path.join(hf_dir, "config.json")))["id2label"]["79"] == "toothbrush"
     coco_cfg("rtdetr_r50vd_latte_coco.py", coco_root, str(tmp_path / "w"), str(tmp_path / "rtdetr.py"))
     report = calibrate_tool.main([str(tmp_path / "rtdetr.py"), "--cfg-options", f"model.pretrained={hf_dir}",
@@ -119,7 +127,7 @@ def test_rtdetr_r50vd_coco_config_takes_an_hf_directory(coco_root, tmp_path):
     assert len(report["candidates"]) == 7 and len(report["linearized"]) == 5
     # (transformers 5 writes some keys under their legacy names in the file and maps them back on
     # load, so the reference is the model that was saved, not the file's key list)
-    want = {"hf." + k: v for k, v in hf.state_dict().items()}
+    want = {"hf." + k: v for k, v in saved.items()}
     _assert_same_weights(_model_state(report["paths"]["checkpoint"]), want)
 
 
@@ -228,7 +236,7 @@ def _d2_script():
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", ["detr_r50_latte_coco.py", "rtdetr_r50vd_latte_coco.py"])
-def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, tmp_path, name):
+def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, tmp_path, name):
     """The detectron2 COCO LazyConfigs, unchanged, on the COCO-layout data through detectron2's
     builtin ``coco_2017_*`` datasets (``DETECTRON2_DATASETS``): instantiated, calibrated on 2 train
     images at the first evaluation forward, and evaluated by COCOEvaluator in detectron2's own
@@ -248,9 +256,7 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, tmp_path, name):
         cfg = tiny_detr_checkpoint(tmp_path)
         overrides.append(f"train.init_checkpoint={cfg}")
     else:
-        hf_dir = str(tmp_path / "hf")
-        _hf_rtdetr("r50vd").save_pretrained(hf_dir)
-        overrides.append(f"model.pretrained={hf_dir}")
+        overrides.append(f"model.pretrained={rtdetr_r50vd_dir[0]}")
     env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, script, "--eval-only", "--config-file",
                           os.path.join(ROOT, "configs", "detectron2", name), *overrides],

@@ -14,7 +14,11 @@ from tests.conftest import ROOT, lively, require
 require("transformers")
 from latte_plugin.hf.detectors import FAMILIES, build_detector  # noqa: E402
 
-SIDE = 320  # one generated size every family runs at: RF-DETR Nano needs 300 encoder tokens, LW-DETR 4 x 4 windows
+#: generated image sizes: the smallest each family runs at (RF-DETR Nano needs 300 encoder tokens,
+#: LW-DETR 4 x 4 windows); the others at 160 px, where every feature level still has a few tokens
+BIG = 320
+SIDES = {"rf_detr": BIG, "lw_detr": BIG}
+SIDE = 160
 # the paper's protocol (score + sigma) on 2 images: the adaptive defaults search 9 configurations, which is
 # what tests/test_configurations.py covers; here the configs and frameworks are under test
 FAST = ["--num-images", "2", "--steps", "1", "--selection", "score", "--correction", "sigma", "--compensate", "never"]
@@ -28,10 +32,16 @@ CONFIG = "hf_{}_latte_coco.py"
 
 
 @pytest.fixture(scope="module")
-def coco_root(tmp_path_factory):
+def coco_roots(tmp_path_factory):
+    """Generated data in COCO 2017's layout, one directory per image size."""
     from latte_plugin.data.synthetic import make_coco_layout
 
-    return make_coco_layout(str(tmp_path_factory.mktemp("coco")), num_train=2, num_val=2, size=SIDE, seed=3)
+    return {side: make_coco_layout(str(tmp_path_factory.mktemp(f"coco{side}")), num_train=2, num_val=2, size=side,
+                                   seed=3) for side in (SIDE, BIG)}
+
+
+def _side(family: str) -> int:
+    return SIDES.get(family, SIDE)
 
 
 def _saved(family: str, path) -> tuple[str, dict]:
@@ -42,7 +52,7 @@ def _saved(family: str, path) -> tuple[str, dict]:
     return str(path), {"hf." + k: v for k, v in hf.state_dict().items()}
 
 
-def _mmdet_cfg(arch: str, root: str, work_dir: str, path: str) -> None:
+def _mmdet_cfg(arch: str, root: str, work_dir: str, path: str, side: int) -> None:
     from mmengine.config import Config
 
     cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", CONFIG.format(arch)))
@@ -51,7 +61,7 @@ def _mmdet_cfg(arch: str, root: str, work_dir: str, path: str) -> None:
         cfg[key].dataset.data_root = root
         for t in cfg[key].dataset.pipeline:
             if t.get("type") == "Resize":
-                t.update(scale=(SIDE, SIDE), keep_ratio=False)
+                t.update(scale=(side, side), keep_ratio=False)
     for key in ("val_evaluator", "test_evaluator"):
         cfg[key].ann_file = root + "annotations/instances_val2017.json"
     cfg.work_dir = work_dir
@@ -61,7 +71,7 @@ def _mmdet_cfg(arch: str, root: str, work_dir: str, path: str) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_mmdet_config_calibrates_and_evaluates_a_save_pretrained_directory(family, coco_root, tmp_path):
+def test_mmdet_config_calibrates_and_evaluates_a_save_pretrained_directory(family, coco_roots, tmp_path):
     """``tools/calibrate.py CONFIG --cfg-options model.pretrained=DIR --eval``: every key of the
     saved model lands, the candidates are found from the model, 67% go linear, CocoMetric reports."""
     require("mmdet.models")
@@ -69,7 +79,8 @@ def test_mmdet_config_calibrates_and_evaluates_a_save_pretrained_directory(famil
     from latte_plugin.cli import calibrate as calibrate_tool
 
     hf_dir, want = _saved(family, tmp_path / "hf")
-    _mmdet_cfg(ARCHS[family], coco_root, str(tmp_path / "w"), str(tmp_path / "cfg.py"))
+    side = _side(family)
+    _mmdet_cfg(ARCHS[family], coco_roots[side], str(tmp_path / "w"), str(tmp_path / "cfg.py"), side)
     report = calibrate_tool.main([str(tmp_path / "cfg.py"), "--cfg-options", f"model.pretrained={hf_dir}",
                                   "--work-dir", str(tmp_path / "w"), "--eval", *FAST])
     n = len(report["candidates"])
@@ -95,28 +106,28 @@ def _lazyconfig_train_net():
     return module
 
 
-def _register(root: str) -> str:
+def _register(root: str, side: int) -> str:
     from detectron2.data import DatasetCatalog
     from detectron2.data.datasets import register_coco_instances
 
     for split in ("train", "val"):
-        name = f"latte_hf_coco_{split}"
+        name = f"latte_hf_coco{side}_{split}"
         if name not in DatasetCatalog.list():
             register_coco_instances(name, {}, os.path.join(root, "annotations", f"instances_{split}2017.json"),
                                     os.path.join(root, f"{split}2017"))
-    return "latte_hf_coco"
+    return f"latte_hf_coco{side}"
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_detectron2_lazyconfig_evaluates_a_save_pretrained_directory(family, coco_root, tmp_path, capsys):
+def test_detectron2_lazyconfig_evaluates_a_save_pretrained_directory(family, coco_roots, tmp_path, capsys):
     """``lazyconfig_train_net.py --eval-only --config-file CONFIG model.pretrained=DIR``, in this
     process: the model calibrates itself on 2 train images at the first evaluation forward
     (candidates found from the model), COCOEvaluator reports AP; every key of the saved model lands."""
     require("detectron2")
     script = _lazyconfig_train_net()
     hf_dir, want = _saved(family, tmp_path / "hf")
-    name = _register(coco_root)
+    name = _register(coco_roots[_side(family)], _side(family))
     overrides = [f"model.pretrained={hf_dir}", "dataloader.test.mapper.augmentations=[]",
                  "model.calibration_loader.mapper.augmentations=[]", f"dataloader.test.dataset.names={name}_val",
                  f"model.calibration_loader.dataset.names={name}_train", "model.latte.num_images=2",
@@ -140,7 +151,7 @@ def test_detectron2_lazyconfig_evaluates_a_save_pretrained_directory(family, coc
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", ["deimv2", "d_fine"])
-def test_onnx_export_of_the_calibrated_family_gives_torchs_outputs_and_map(family, coco_root, tmp_path):
+def test_onnx_export_of_the_calibrated_family_gives_torchs_outputs_and_map(family, coco_roots, tmp_path):
     """``tools/calibrate.py`` then ``tools/export_onnx.py --eval`` on the family's config: onnxruntime's
     raw outputs equal torch's within 1e-4 with the queries matched (the two-stage top-k may swap
     nearly tied queries), and both give the same CocoMetric mAP."""
@@ -149,7 +160,8 @@ def test_onnx_export_of_the_calibrated_family_gives_torchs_outputs_and_map(famil
     from latte_plugin.cli import export_onnx as export_tool
 
     hf_dir, _ = _saved(family, tmp_path / "hf")
-    _mmdet_cfg(ARCHS[family], coco_root, str(tmp_path / "w"), str(tmp_path / "cfg.py"))
+    side = _side(family)
+    _mmdet_cfg(ARCHS[family], coco_roots[side], str(tmp_path / "w"), str(tmp_path / "cfg.py"), side)
     opts = ["--cfg-options", f"model.pretrained={hf_dir}"]
     report = calibrate_tool.main([str(tmp_path / "cfg.py"), *opts, "--work-dir", str(tmp_path / "w"), *FAST])
     out = export_tool.main([str(tmp_path / "cfg.py"), report["paths"]["checkpoint"], "--out", str(tmp_path / "m.onnx"),
