@@ -172,9 +172,10 @@ def build(a: argparse.Namespace):
 
     from latte_plugin.adapter import take_batches
     from latte_plugin.mmdet.calibrate import ADAPTER, build_calibration_loader
-    from latte_plugin.mmdet.workflow import drop_linearize_hook, hook_latte_settings, runner_with_checkpoint
+    from latte_plugin.mmdet.workflow import (drop_linearize_hook, hook_latte_settings, runner_with_checkpoint,
+                                             unformatted)
 
-    cfg = Config.fromfile(a.config)
+    cfg = unformatted(Config.fromfile(a.config))
     if a.data_root:
         use_data_root(cfg, a.data_root)
     if a.input_size:

@@ -84,7 +84,9 @@ def tiny_cfg(data_root, work_dir, path: str = TINY_CFG, **hook):
     overridden; ``data_root`` / ``work_dir`` ``None`` keep the config's."""
     from mmengine.config import Config
 
-    cfg = Config.fromfile(path)
+    from latte_plugin.mmdet.workflow import unformatted
+
+    cfg = unformatted(Config.fromfile(path))  # as the tools load it: no yapf pass over its text
     if data_root is not None:
         root = data_root.rstrip("/") + "/"
         for key in ("train_dataloader", "val_dataloader", "test_dataloader"):

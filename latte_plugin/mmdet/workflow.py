@@ -42,11 +42,22 @@ def save_calibrated_checkpoint(model: torch.nn.Module, report: dict, path: str) 
     save_bare(unwrap(model), report, path)
 
 
+def unformatted(cfg):
+    """``cfg`` with mmengine's yapf pass over its text switched off, in place (``format_python_code``).
+
+    The Runner prints and dumps the config's text several times; yapf takes 2-3 s each time on
+    a detector config, the same config either way. mmengine 0.10.7's ``Config.fromfile`` drops its
+    own ``format_python_code=False`` for pure-Python configs, so the flag is set on the object.
+    """
+    object.__setattr__(cfg, "_format_python_code", False)
+    return cfg
+
+
 def load_config(config: str, cfg_options: Sequence[str] = ()):
     """``Config.fromfile`` with ``--cfg-options key=value`` pairs merged as mmdet's tools do."""
     from mmengine.config import Config, DictAction
 
-    cfg = Config.fromfile(config)
+    cfg = unformatted(Config.fromfile(config))
     action = DictAction(option_strings=[], dest="x")
     opts = {k: action._parse_iterable(v) for k, v in (kv.split("=", 1) for kv in cfg_options)}
     if opts:
