@@ -167,7 +167,7 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path, monkeypatch):
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = main_job.main(["--config", str(cfg_path), "--checkpoint", "none", "--work-dir", str(tmp_path / "job"),
-                            "--rows", "exact", "uniform", "latte", "ours:greedy@83%"])
+                            "--rows", "exact", "uniform", "latte", "ours:greedy@83%", "--timing-reps", "2"])
     m = report["metrics"]
     assert set(m) >= {"exact", "uniform", "latte", "ours:greedy@83%", "linearized"}
     assert m["uniform"]["linear"] == "6/6" and m["latte"]["linear"] == "4/6" and m["ours:greedy@83%"]["linear"] == "5/6"
@@ -199,7 +199,8 @@ def test_main_job_rows_that_differ_in_share_calibrate_once(synthetic_data, tmp_p
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     run = lambda rows, d, *more: main_job.main(["--config", str(cfg_path), "--checkpoint", "none",  # noqa: E731
-                                                "--work-dir", str(tmp_path / d), "--rows", *rows, *more])
+                                                "--work-dir", str(tmp_path / d), "--rows", *rows, "--timing-reps", "1",
+                                                *more])
     both = run(["ours:greedy@83%", "exact", "ours:greedy"], "both")
     alone = run(["ours:greedy@83%"], "alone", "--no-signal")  # the headline's flag: no signal, the same figures
     assert both["signal"] and not alone["signal"] and alone["metrics"]["ours:greedy@83%"]["weakest_signal"] is None
@@ -288,14 +289,6 @@ def test_calibrated_checkpoint_from_another_config_is_refused(synthetic_data, tm
 def _report_core(path):
     rep = json.load(open(path))
     return {k: rep[k] for k in ("candidates", "linearized", "params", "sensitivity", "sigma_mean", "fit", "selection")}
-
-
-@pytest.fixture(scope="module")
-def synthetic_256(tmp_path_factory):
-    """A few images at the embedded models' real size (256x256: 256 encoder tokens)."""
-    from latte_plugin.data.synthetic import make_synthetic_coco
-
-    return make_synthetic_coco(str(tmp_path_factory.mktemp("synthetic256")), num_train=8, num_val=2, size=256, seed=3)
 
 
 def _latte_state(path):
@@ -407,15 +400,15 @@ def test_embedded_latte_configs_swap_their_candidates(name, count, linear):
     assert len(names) == count and num_linear_layers(count, latte.ratio, latte.num_linear) == linear
 
 
-def test_target_budgets_detection_disagreement_on_the_embedded_detector(synthetic_256, tmp_path):
+def test_target_budgets_detection_disagreement_on_the_embedded_detector(synthetic_data, tmp_path):
     """target= on a detector: the mmdet adapter's detect() runs mmdet's own post-processing, the
     flow budgets 1 - agreement of the hybrid's confident detections with the exact model's, and
     the report gives the count it allowed and the figure on the report images."""
     from latte_plugin.calibration.measures import DetectionDisagreement
     from latte_plugin.mmdet.workflow import run_calibration
 
-    cfg = tiny_cfg(synthetic_256, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
-                                                                    "cond_detr_r18_synthetic_latte.py"),
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
+                                                                     "cond_detr_r18_synthetic_latte.py"),
                    num_images=8, steps=5)
     cfg_path = tmp_path / "embedded.py"
     cfg.dump(str(cfg_path))
