@@ -44,7 +44,9 @@ def coco_cfg(name: str, root: str, work_dir: str, path: str):
     test inputs at SIDE px, no pretrained-backbone download, dumped to ``path``."""
     from mmengine.config import Config
 
-    cfg = Config.fromfile(os.path.join(MMDET_CONFIGS, name))
+    from latte_plugin.mmdet.workflow import unformatted
+
+    cfg = unformatted(Config.fromfile(os.path.join(MMDET_CONFIGS, name)))
     root = root.rstrip("/") + "/"
     for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
         cfg[key].dataset.data_root = root

@@ -134,6 +134,7 @@ def test_calibrate_tool_on_a_lazyconfig_and_map_parity_with_mmdet(synthetic_data
     from mmengine.runner import Runner
 
     from latte_plugin.cli import calibrate as calibrate_tool
+    from latte_plugin.mmdet.workflow import unformatted
 
     root = synthetic_data.rstrip("/") + "/"
     train, val = d2p.register_synthetic(synthetic_data, prefix="latte_test")
@@ -141,14 +142,16 @@ def test_calibrate_tool_on_a_lazyconfig_and_map_parity_with_mmdet(synthetic_data
             f"dataloader.evaluator.output_dir={tmp_path / 'eval'}",
             f"model.calibration_loader.dataset.names={train}", f"dataloader.train.dataset.names={train}"]
     report = calibrate_tool.main([D2_CFG, "--checkpoint", COND_CKPT, "--work-dir", str(tmp_path / "d2"),
-                                  "--num-images", "6", "--eval", "--cfg-options", *opts])
+                                  "--num-images", "6", "--eval", "--selection", "score", "--correction", "sigma",
+                                  "--compensate", "never", "--no-signal", "--cfg-options", *opts])
     saved = json.load(open(report["paths"]["report"]))
     assert saved["framework"] == "detectron2" and len(saved["linearized"]) == 4
     for key in ("variant", "candidates", "sensitivity", "params", "metrics", "retained", "attention_gflops"):
         assert key in saved
 
     # mmdet on the same images with the d2-calibrated checkpoint: the checkpoint is shared
-    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", "cond_detr_r18_synthetic_latte.py"))
+    cfg = unformatted(Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded",
+                                                   "cond_detr_r18_synthetic_latte.py")))
     for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
         cfg[key]["dataset"]["data_root"] = root
         cfg[key]["num_workers"] = 0

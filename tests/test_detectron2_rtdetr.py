@@ -101,7 +101,8 @@ BLOCKED_RUN = textwrap.dedent('''
     cfg = LazyConfig.apply_overrides(LazyConfig.load(cfg_path), [
         f"dataloader.test.dataset.names={val}", f"dataloader.evaluator.dataset_name={val}",
         f"dataloader.evaluator.output_dir={out}", f"model.calibration_loader.dataset.names={train}",
-        "model.latte.num_images=4", "model.latte.steps=2", "model.latte.greedy_images=2"])
+        "model.latte.num_images=4", "model.latte.steps=2", "model.latte.selection=score",
+        "model.latte.correction=sigma", "model.latte.compensate=never", "model.latte.signal=False"])
     model = instantiate(cfg.model)
     DetectionCheckpointer(model).load(ckpt)
     model.eval()
@@ -122,7 +123,7 @@ def test_latte_rtdetr_registers_calibrates_and_evaluates_with_mmdet_and_mmcv_uni
 
     from latte_plugin.data.synthetic import make_synthetic_coco
 
-    root = make_synthetic_coco(str(tmp_path / "data"), num_train=6, num_val=4, size=256, seed=0)
+    root = make_synthetic_coco(str(tmp_path / "data"), num_train=6, num_val=4, size=128, seed=0)
     script = tmp_path / "run.py"
     script.write_text(BLOCKED_RUN)
     cfg = os.path.join(ROOT, "configs", "detectron2", "embedded", "rtdetr_r18_synthetic_latte.py")

@@ -55,7 +55,9 @@ def _saved(family: str, path) -> tuple[str, dict]:
 def _mmdet_cfg(arch: str, root: str, work_dir: str, path: str, side: int) -> None:
     from mmengine.config import Config
 
-    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", CONFIG.format(arch)))
+    from latte_plugin.mmdet.workflow import unformatted
+
+    cfg = unformatted(Config.fromfile(os.path.join(ROOT, "configs", "mmdet", CONFIG.format(arch))))
     root = root.rstrip("/") + "/"
     for key in ("train_dataloader", "val_dataloader", "test_dataloader"):
         cfg[key].dataset.data_root = root
