@@ -5,6 +5,7 @@ HF ViT, and its commands answer ``--help``."""
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -34,11 +35,23 @@ print("RESULT" + json.dumps({"built": built, "names": architecture_names(), "lin
 """
 
 
+def _source_copy(dest) -> str:
+    """What the wheel is built from, copied: pip builds in the source tree (build/, *.egg-info),
+    so two test workers building from the clone at once would race, and a build there leaves files."""
+    for name in ("setup.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), dest / name)
+    shutil.copytree(os.path.join(ROOT, "latte_plugin"), dest / "latte_plugin",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return str(dest)
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp / "dist")], check=True, capture_output=True, text=True, timeout=300)
+    src = _source_copy(tmp_path_factory.mktemp("source"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(tmp / "dist")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     wheel = glob.glob(str(tmp / "dist" / "latte_plugin-*.whl"))
     assert len(wheel) == 1, wheel
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp / "site"), wheel[0]],

@@ -9,8 +9,9 @@ export PYTHONHASHSEED=0
 source tools/cpu_env.sh
 # the linter first (ruff.toml: unused imports, undefined names, syntax): seconds, and a defect it finds fails CI
 "$venv/bin/python" -m ruff check --quiet . || { echo "ruff check failed (ruff.toml): fix the lines above"; exit 1; }
-# two workers (pytest-xdist), one per core; each runs torch on one thread (tests/conftest.py).
+# two workers (pytest-xdist), one per core, an idle one taking tests queued for the other;
+# each runs torch on one thread (tests/conftest.py).
 # LATTE_TEST_WORKERS=0 runs the suite in this one process.
 workers="${LATTE_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then exec "$venv/bin/python" -m pytest tests "$@"; fi
-exec "$venv/bin/python" -m pytest tests -n "$workers" "$@"
+exec "$venv/bin/python" -m pytest tests -n "$workers" --dist worksteal "$@"
