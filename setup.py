@@ -21,6 +21,6 @@ setup(
         "hf": ["transformers>=5.0"],  # the HF adapter uses the attention-interface dispatch (tested: 5.24)
         "plots": ["matplotlib"],
         "onnx": ["onnx", "onnxruntime"],  # latte_plugin.export_onnx, tools/export_onnx.py
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "rich"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib", "rich"],
     },
 )

@@ -126,6 +126,25 @@ def test_calibrate_tool_eval_and_checkpoint_reload(synthetic_data, tmp_path):
     assert metrics["coco/bbox_mAP"] == pytest.approx(saved["metrics"]["linearized"]["bbox_mAP"], abs=1e-9)
 
 
+def test_the_tools_config_text_skips_yapf_and_still_loads_as_the_same_config(tmp_path, monkeypatch):
+    """load_config switches off mmengine's yapf pass (seconds per Runner): its text is made without
+    calling yapf, and that text loads back as the same config."""
+    from mmengine.config import Config
+    from mmengine.config import config as mm_config
+
+    from tests.conftest import TINY_CFG
+    from latte_plugin.mmdet.workflow import load_config
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("yapf was called")
+
+    monkeypatch.setattr(mm_config, "FormatCode", refuse)
+    cfg = load_config(TINY_CFG, ["model.num_queries=7"])
+    (tmp_path / "dumped.py").write_text(cfg.pretty_text)
+    back = Config.fromfile(str(tmp_path / "dumped.py"))
+    assert back.model.num_queries == 7 and back.to_dict() == cfg.to_dict()
+
+
 def test_never_calibrate_without_latte_state_is_a_clear_error(synthetic_data, tmp_path):
     from mmengine.runner import Runner
 
