@@ -17,6 +17,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules with a long test (``@pytest.mark.timeout(>= 600)``) run first, each module kept whole
+    (its module fixtures are built once): under ``--dist worksteal`` the last tests are then short
+    ones, so the two workers finish together instead of one waiting on a long test."""
+    def heavy(item) -> bool:
+        mark = item.get_closest_marker("timeout")
+        return bool(mark and mark.args and mark.args[0] >= 600)
+
+    heavy_modules = {item.module.__name__ for item in items if heavy(item)}
+    items.sort(key=lambda item: item.module.__name__ not in heavy_modules)  # stable: order kept inside
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
