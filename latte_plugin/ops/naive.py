@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .masks import additive_mask
 
-__all__ = ["naive_softmax_attention", "naive_jpn_similarity", "naive_linear_attention"]
+__all__ = ["naive_softmax_attention", "naive_jpn_similarity", "naive_linear_attention", "naive_piecewise_attention"]
 
 _EPS = 1e-6
 
@@ -84,3 +84,79 @@ def naive_linear_attention(
         scores = scores.masked_fill(attn_mask, 0.0)
     denom = scores.sum(dim=-1, keepdim=True)
     return (scores @ v) / torch.where(denom != 0, denom, torch.ones_like(denom))
+
+
+def _block_of(length: int, block: int, device) -> Tensor:
+    """``(L,)`` the block index of each token."""
+    return torch.arange(length, device=device) // block
+
+
+def naive_piecewise_attention(q: Tensor, k: Tensor, v: Tensor, top: int, m: Tensor | float = 1.0,
+                              rho: Tensor | float = 1.0, gamma: Tensor | float = 1.0,
+                              key_padding_mask: Optional[Tensor] = None, rest: str = "blockmean", block: int = 64,
+                              q_pool: Optional[Tensor] = None) -> Tensor:
+    """Reference piecewise attention (``docs/method.md#piecewise``) with the full ``N x M`` score
+    matrix: the same block choice, then every term written out per key and per block.
+
+    Args:
+        q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``.
+        top, m, rho, gamma, key_padding_mask, rest, block: as in
+            :func:`latte_plugin.ops.piecewise.piecewise_attention`.
+        q_pool: ``(B, H, N, d)``, each query's pooled query (the mean of its block); default: the
+            means of ``q``'s own contiguous blocks. Calibration records a sample of the queries and
+            passes the means of their full blocks here.
+
+    Returns:
+        ``(B, H, N, d_v)`` in ``v``'s dtype.
+    """
+    acc = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+    out_dtype = v.dtype
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    b, h, n, d = q.shape
+    mlen, dev = k.shape[-2], q.device
+    valid = torch.ones(b, mlen, dtype=torch.bool, device=dev) if key_padding_mask is None else ~key_padding_mask
+    kblock = _block_of(mlen, block, dev)
+    nk = int(kblock[-1]) + 1
+    onehot = torch.nn.functional.one_hot(kblock, nk).to(acc) * valid.to(acc).unsqueeze(-1)  # (B, M, nK)
+    counts = onehot.sum(dim=1)  # (B, nK)
+    kbar = (onehot.transpose(1, 2).unsqueeze(1) @ k) / counts.clamp_min(1)[:, None, :, None]  # (B, H, nK, d)
+    vsum = onehot.transpose(1, 2).unsqueeze(1) @ v  # (B, H, nK, d_v)
+    if q_pool is None:
+        qblock = _block_of(n, block, dev)
+        qhot = torch.nn.functional.one_hot(qblock, int(qblock[-1]) + 1).to(acc)  # (N, nQ)
+        q_pool = (qhot.t() @ q / qhot.sum(0)[:, None])[..., qblock, :]  # (B, H, N, d)
+    pooled = (q_pool.to(acc) @ kbar.transpose(-1, -2)) / math.sqrt(d)  # (B, H, N, nK)
+    pooled = pooled.masked_fill((counts == 0)[:, None, None, :], float("-inf"))
+    idx = torch.topk(pooled, min(int(top), nk), dim=-1).indices
+    chosen_b = torch.zeros_like(pooled, dtype=torch.bool).scatter(-1, idx, True)  # (B, H, N, nK)
+    chosen_k = chosen_b[..., kblock] & valid[:, None, None, :]  # (B, H, N, M)
+    rest_b = ~chosen_b & (counts > 0)[:, None, None, :]
+    rest_k = ~chosen_b[..., kblock] & valid[:, None, None, :]
+    x = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+    y = (q @ kbar.transpose(-1, -2)) / math.sqrt(d)
+    mx = torch.maximum(x.masked_fill(~chosen_k, float("-inf")).amax(-1), y.masked_fill(~rest_b, float("-inf")).amax(-1))
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx).unsqueeze(-1)
+    e = torch.exp(x - mx) * chosen_k
+    w = torch.exp(y - mx) * rest_b  # (B, H, N, nK)
+    gamma = torch.as_tensor(gamma, dtype=acc, device=dev)
+    r_den = gamma * (w * counts[:, None, None, :]).sum(-1, keepdim=True)
+    n_rest = (rest_b * counts[:, None, None, :]).sum(-1, keepdim=True)
+    if rest == "blockmean":
+        r_num = gamma * (w @ vsum)
+        centred = (k - kbar[:, :, kblock]) * valid[:, None, :, None]  # (B, H, M, d): k_l - kbar of its block
+        # sum over rest keys of (q . (k_l - kbar_j)) v_l, for each query: its own rest keys
+        first = ((q @ centred.transpose(-1, -2)) * rest_k) @ v / math.sqrt(d)
+        r_num = r_num + r_den / n_rest.clamp_min(1) * first
+    elif rest == "latte":
+        from .piecewise import psi_unit
+
+        fq = psi_unit(q, m) * torch.as_tensor(rho, dtype=acc, device=dev)
+        fk = psi_unit(k, m)
+        kern = (fq @ fk.transpose(-1, -2) + 1.0) * rest_k  # (B, H, N, M)
+        lden = kern.sum(-1, keepdim=True)
+        r_num = r_den * (kern @ v) / torch.where(lden > 0, lden, torch.ones_like(lden))
+    else:
+        raise ValueError(f"unknown piecewise rest {rest!r}")
+    num = e @ v + r_num
+    den = e.sum(-1, keepdim=True) + r_den
+    return (num / torch.where(den > 0, den, torch.ones_like(den))).to(out_dtype)
