@@ -13,11 +13,12 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-from ..ops import BACKENDS, VARIANTS
+from ..ops import BACKENDS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
 __all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES",
            "INFERENCE_MODES", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
-           "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "num_linear_layers"]
+           "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
+           "PIECEWISE_SLACK", "num_linear_layers"]
 
 #: Layer selections; ``auto`` compares the others as parts of whole configurations, judged end to
 #: end by cross-fitting (``core.choice``).
@@ -50,6 +51,21 @@ CORRECTIONS = ("none", "sigma", "refit", "auto")
 CORRECTION_RULES = ("sigma", "refit", "auto")
 #: Folds of the cross-fitting behind ``correction='auto'``.
 CROSS_FIT_FOLDS = 4
+
+
+#: The kernel of the linear layers: ``latte``, ``piecewise`` (exact softmax on the top key blocks of
+#: each query block, the rest approximated: ``docs/method.md#piecewise``), or ``auto`` (per linear
+#: layer, the one with the lower cross-fitted reconstruction error).
+KERNEL_CHOICES = ("latte", "piecewise", "auto")
+#: Exact key blocks per query block the piecewise calibration compares (a fixed count: the cost is
+#: linear in the tokens, ``docs/method.md#piecewise``).
+PIECEWISE_TOPS = (1, 2, 4, 8)
+#: Mass scales of the approximated blocks it compares (exp of a block's mean key is below its
+#: mean exp: a scale >= 1 makes up for it).
+PIECEWISE_GAMMAS = (1.0, 1.25, 1.5, 2.0, 3.0)
+#: The piecewise calibration keeps the fewest exact blocks whose error is within this factor of
+#: the best count's (set before any measurement: a 10% worse reconstruction for a cheaper layer).
+PIECEWISE_SLACK = 1.1
 
 
 #: Selections compared by ``selection='auto'``, the paper's score first (it wins ties).
@@ -133,6 +149,17 @@ class LatteConfig:
                                         "environment variable, else auto; chosen once when the layers are built "
                                         "or loaded; applies to a loaded calibration too", BACKENDS)
 
+    kernel: str = _opt("latte", "kernel of the linear layers: latte (the calibrated Taylor kernel), piecewise "
+                                "(exact softmax on the top key blocks of each query block, the rest approximated "
+                                "around the blocks' mean keys), or auto (per linear layer, the one with the lower "
+                                "cross-fitted reconstruction error)", KERNEL_CHOICES)
+    piecewise_top: Optional[int] = _opt(None, "exact key blocks per query block of a piecewise layer; default: "
+                                              "calibrated per layer among 1, 2, 4 and 8")
+    piecewise_block: int = _opt(PIECEWISE_BLOCK, "tokens per block of the piecewise kernel")
+    piecewise_rest: str = _opt("blockmean", "how a piecewise layer approximates the keys outside its exact "
+                                            "blocks: blockmean (each block's mean key and value, plus a shared "
+                                            "first-order term) or latte (the calibrated LATTE kernel)", RESTS)
+
     def __post_init__(self) -> None:
         # the two fields that take a single value for convenience, normalised once
         if isinstance(self.refit_reg, (int, float)):
@@ -172,6 +199,14 @@ class LatteConfig:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (or unset), got {self.backend!r}")
+        if self.kernel not in KERNEL_CHOICES:
+            raise ValueError(f"kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
+        if self.piecewise_rest not in RESTS:
+            raise ValueError(f"piecewise_rest must be one of {', '.join(RESTS)}, got {self.piecewise_rest!r}")
+        if self.piecewise_top is not None and int(self.piecewise_top) < 1:
+            raise ValueError(f"piecewise_top must be >= 1 (or unset: calibrated), got {self.piecewise_top}")
+        if int(self.piecewise_block) < 1:
+            raise ValueError(f"piecewise_block must be >= 1, got {self.piecewise_block}")
         if not self.refit_reg or any(float(r) < 0 for r in self.refit_reg):
             raise ValueError(f"refit_reg must be non-empty and >= 0, got {self.refit_reg}")
         for name in ("num_images", "max_items", "max_queries", "greedy_images"):

@@ -54,6 +54,8 @@ class FitOptions:
             items are dealt round-robin.
         rules: further correction rules to fit beside ``correction`` (``FitResult.rules``).
         all_reduce: sums a tensor across ranks in place.
+        kernel, piecewise_top, piecewise_block, piecewise_rest: the kernel choice
+            (:func:`~latte_plugin.calibration.kernel_choice.choose_kernel`; ``LatteConfig``'s fields).
     """
 
     steps: int = 20
@@ -64,6 +66,10 @@ class FitOptions:
     fold_of: Optional[Mapping[int, int]] = None
     rules: tuple = ()
     all_reduce: AllReduce = no_reduce
+    kernel: str = "latte"
+    piecewise_top: Optional[int] = None
+    piecewise_block: int = 64
+    piecewise_rest: str = "blockmean"
 
     def __post_init__(self) -> None:
         if self.correction not in CORRECTIONS:
@@ -92,6 +98,7 @@ class FitResult:
         kind: its kind (``none``, ``sigma`` or ``refit``); weights: its ``(C+1, C)`` weights.
         rules: ``{rule: FittedCorrection}`` of every rule fitted (``correction``'s and ``rules``),
             each with its per-fold weights for the cross-fitted judge.
+        kernel: the kernel choice (``KernelChoice.entry()``), ``None`` with ``kernel='latte'``.
     """
 
     initial_mse: float
@@ -106,6 +113,7 @@ class FitResult:
     kind: str = "none"
     weights: Optional[Tensor] = None
     rules: dict = field(default_factory=dict)
+    kernel: Optional[dict] = None
 
 
 @dataclass
@@ -165,6 +173,14 @@ class CorrectionTable:
 
 
 def linear_outputs(layer: LatteParams, it: RecordedItem, m: Tensor, log_rho: Tensor) -> Tensor:
+    """The layer's non-exact output on a recorded item (``(H, n, d_v)`` or stacked ``(G, H, n, d_v)``),
+    before the output correction: LATTE at ``(m, log_rho)``, or the layer's piecewise kernel (its
+    own scalars) on the item's pooled queries."""
+    if layer.kernel == "piecewise" and it.q_pool is not None:
+        one = it.q.dim() == 3
+        q, k, v, pool = (x.unsqueeze(0) if one else x for x in (it.q, it.k, it.v, it.q_pool))
+        o = layer.piecewise(q, k, v, q_pool=pool)
+        return o.squeeze(0) if one else o
     fq, fk = layer.features(it.q, it.k, m=m, log_rho=log_rho)
     if it.mask is not None:  # general (causal) mask: the quadratic masked form
         return ops.naive_linear_attention(fq, fk, it.v, attn_mask=it.mask)

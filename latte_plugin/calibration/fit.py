@@ -20,6 +20,7 @@ from .config import STEP_CHECKPOINTS
 from .context import AllReduce, no_reduce
 from .corrections import (FitOptions, FitResult, LayerRecords, fit_correction, linear_outputs, reconstruction_error,
                           reset_correction)
+from .kernel_choice import choose_kernel
 from .record import RecordedItem, stack_by_shape, sum_count
 
 __all__ = ["softmax_weighted_mean_score", "grid_start", "lbfgs_refine", "fit_records", "fit_layer"]
@@ -72,6 +73,7 @@ class _Stacked:
 
 def _reset(layer: LatteParams, m0: float) -> None:
     reset_correction(layer)
+    layer.kernel = "latte"  # the scalars are LATTE's; the kernel is chosen after them
     layer.m.fill_(m0)
     layer.log_rho.fill_(0.0)
 
@@ -192,6 +194,22 @@ def fit_records(layer: LatteParams, records: LayerRecords, opts: FitOptions) -> 
     m, log_rho, n_steps, step_trace = lbfgs_refine(layer, fit, start, fit_m, opts, chooser)
     layer.m.copy_(m.expand(layer.num_heads))
     layer.log_rho.copy_(log_rho.expand(layer.num_heads))
+    kernel = None
+    if opts.kernel != "latte":
+        kernel = choose_kernel(layer, records, opts, opts.kernel, opts.piecewise_block, opts.piecewise_rest,
+                               opts.piecewise_top)
+        kernel = {**kernel.entry(), **_kernel_heldout(layer, records.report)}
     res = fit_correction(layer, records, opts)
     return replace(res, initial_mse=initial, alpha_init=alpha0, steps=n_steps,
-                   choice={"steps": step_trace, **res.choice})
+                   choice={"steps": step_trace, **res.choice}, kernel=kernel)
+
+
+def _kernel_heldout(layer: LatteParams, report: Sequence[RecordedItem]) -> dict:
+    """The chosen kernel's MSE (before the output correction) on the report items, when there are any."""
+    if not report:
+        return {}
+    sse = cnt = 0.0
+    for it in stack_by_shape(list(report)):
+        o = linear_outputs(layer, it, layer.m.double(), layer.log_rho.double())
+        sse, cnt = sse + float(((o - it.target) ** 2).sum()), cnt + float(o.numel())
+    return {"heldout_mse": sse / cnt}

@@ -159,7 +159,9 @@ def _fit_layers(run: CalibrationRun, group: list[str], recs: dict) -> tuple[dict
     cfg, fits, corrections = run.cfg, {}, {r: {} for r in run.rules}
     # every rank holds every item (share_items): no all-reduce, so the sums run in one fixed order
     opts = FitOptions(steps=cfg.steps, lr=cfg.lr, correction=cfg.correction, per_head=cfg.per_head,
-                      refit_regs=tuple(cfg.refit_reg), fold_of=run.fold_of, rules=run.rules)
+                      refit_regs=tuple(cfg.refit_reg), fold_of=run.fold_of, rules=run.rules, kernel=cfg.kernel,
+                      piecewise_top=cfg.piecewise_top, piecewise_block=cfg.piecewise_block,
+                      piecewise_rest=cfg.piecewise_rest)
     for n in group:
         layer = run.layers[n]
         res = fit_records(layer, LayerRecords(*(recs[role][n].items for role in ROLES)), opts)
@@ -167,6 +169,8 @@ def _fit_layers(run: CalibrationRun, group: list[str], recs: dict) -> tuple[dict
         for rule in run.rules:
             corrections[rule][n] = res.rules[rule]
         held = "" if res.heldout_mse is None else f", held-out {res.heldout_mse:.3e}"
+        if res.kernel and res.kernel["kernel"] == "piecewise":
+            held += f", piecewise top {res.kernel['top']} gamma {res.kernel['gamma']}"
         run.log(f"[latte] fitted {n}: alpha={layer.alpha:.4f} rho={float(layer.log_rho.exp().mean()):.4g} "
                 f"mse {res.initial_mse:.3e} -> {res.final_mse:.3e}{held} (steps {res.steps}, {res.correction})")
     return fits, corrections

@@ -40,6 +40,9 @@ class RecordedItem:
     mask: Optional[Tensor] = None
     key: int = 0
     priority: float = 0.0
+    #: ``(H, n, d)``: each sampled query's pooled query (the mean of its block of the image's
+    #: queries), recorded for the piecewise kernel (``LayerRecorder.pool_block``); else ``None``
+    q_pool: Optional[Tensor] = None
 
 
 #: An item's key is ``batch position * KEY_STRIDE + index in the batch``.
@@ -91,6 +94,9 @@ class LayerRecorder:
     #: raise :class:`RecordingDone` once the batch is recorded (the flow sets it for a layer
     #: known to run once per forward: the rest of the forward cannot change this record)
     stop_after: bool = False
+    #: > 0: also record each sampled query's pooled query over blocks of this many queries
+    #: (:attr:`RecordedItem.q_pool`, for the piecewise kernel)
+    pool_block: int = 0
     calls: int = 0
     #: called again within one forward (the same ``batch_key``): such a layer cannot stop early
     repeated: bool = False
@@ -137,9 +143,13 @@ class LayerRecorder:
             keep = ~key_padding_mask[b]
             kb, vb = kb[:, keep], vb[:, keep]
             mask = None if mask is None else mask[:, :, keep]
+        q_pool = None
+        if self.pool_block > 0 and mask is None:
+            q_pool = pooled_queries(q[b], self.pool_block)[:, idx.to(q.device)].detach().float().cpu()
         return RecordedItem(q=q[b][:, idx].detach().float().cpu(), k=kb.detach().float().cpu(),
                             v=vb.detach().float().cpu(), target=out[b][:, idx].detach().float().cpu(),
-                            mask=None if mask is None else mask.detach().cpu(), key=key, priority=priority)
+                            mask=None if mask is None else mask.detach().cpu(), key=key, priority=priority,
+                            q_pool=q_pool)
 
     def _add(self, item: RecordedItem) -> None:
         self.items.append(item)
@@ -148,14 +158,23 @@ class LayerRecorder:
             self.items.pop(worst)
 
 
-_HEADER = ("present", "key", "priority", "H", "n", "M", "d", "dv", "has_mask")
+def pooled_queries(q: Tensor, block: int) -> Tensor:
+    """Each query's block mean (contiguous blocks of ``block`` queries, the last one shorter):
+    ``(H, N, d)`` to ``(H, N, d)``, as the piecewise kernel pools them."""
+    n = q.shape[-2]
+    blocks = torch.arange(n, device=q.device) // block
+    hot = torch.nn.functional.one_hot(blocks).to(q.dtype)  # (N, nQ)
+    return (hot.t() @ q / hot.sum(0)[:, None])[..., blocks, :]
+
+
+_HEADER = ("present", "key", "priority", "H", "n", "M", "d", "dv", "has_mask", "has_pool")
 
 
 def _item_sizes(row: list[float]) -> list[tuple[str, tuple[int, ...]]]:
     """The tensors of an item described by a header row, with their shapes."""
     h, n, m, d, dv = (int(row[i]) for i in range(3, 8))
     parts = [("q", (h, n, d)), ("k", (h, m, d)), ("v", (h, m, dv)), ("target", (h, n, dv))]
-    return parts + ([("mask", (1, n, m))] if row[8] else [])
+    return parts + ([("mask", (1, n, m))] if row[8] else []) + ([("q_pool", (h, n, d))] if row[9] else [])
 
 
 def _all_gather_items(items: list[RecordedItem], slots: int, all_reduce: AllReduce,
@@ -167,7 +186,8 @@ def _all_gather_items(items: list[RecordedItem], slots: int, all_reduce: AllRedu
     header = torch.zeros(world, slots, len(_HEADER), dtype=torch.float64)
     for i, it in enumerate(items):
         (h, n, d), m, dv = it.q.shape, it.k.shape[1], it.v.shape[-1]
-        header[rank, i] = torch.tensor([1.0, it.key, it.priority, h, n, m, d, dv, float(it.mask is not None)],
+        header[rank, i] = torch.tensor([1.0, it.key, it.priority, h, n, m, d, dv, float(it.mask is not None),
+                                        float(it.q_pool is not None)],
                                        dtype=torch.float64)
     rows = [r for r in all_reduce(header).view(-1, len(_HEADER)).tolist() if r[0] > 0]
     sizes = [sum(math.prod(shape) for _, shape in _item_sizes(r)) for r in rows]
@@ -224,12 +244,13 @@ def stack_by_shape(items: list[RecordedItem]) -> list[RecordedItem]:
     """
     groups: dict[tuple, list[RecordedItem]] = {}
     for it in items:
-        key = (tuple(it.q.shape), tuple(it.k.shape), it.mask is None)
+        key = (tuple(it.q.shape), tuple(it.k.shape), it.mask is None, it.q_pool is None)
         groups.setdefault(key, []).append(it)
     return [
         RecordedItem(
             *(torch.stack([getattr(it, f) for it in g]).double() for f in ("q", "k", "v", "target")),
             mask=None if g[0].mask is None else torch.stack([it.mask for it in g]),
+            q_pool=None if g[0].q_pool is None else torch.stack([it.q_pool for it in g]).double(),
         )
         for g in groups.values()
     ]
@@ -244,7 +265,9 @@ def record_layers(run: CalibrationRun, group: list[str], desc: str) -> dict[str,
     of such a layer stops each forward after it.
     """
     cfg, layers = run.cfg, run.layers
-    recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed) for n in group} for role in ROLES}
+    pool = cfg.piecewise_block if cfg.kernel != "latte" else 0
+    recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed, pool_block=pool) for n in group}
+            for role in ROLES}
     stop = len(group) == 1 and group[0] in run.caches.runs_once
     forwards = 0
     for role in ROLES:

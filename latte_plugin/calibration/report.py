@@ -20,7 +20,8 @@ def fit_entry(res: FitResult) -> dict:
     """A layer's fit, as the report holds it."""
     return {"mse_initial": res.initial_mse, "mse_final": res.final_mse, "alpha_init": res.alpha_init,
             "heldout_mse": res.heldout_mse, "steps": res.steps, "refit_reg": res.refit_reg,
-            "heldout": res.heldout, "choice": res.choice, "correction": res.correction}
+            "heldout": res.heldout, "choice": res.choice, "correction": res.correction,
+            **({"kernel": res.kernel} if res.kernel else {})}
 
 
 @dataclass(frozen=True)

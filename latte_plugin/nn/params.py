@@ -15,11 +15,17 @@ from torch import Tensor, nn
 
 from .. import ops
 
-__all__ = ["MODES", "LatteParams", "merge_heads"]
+__all__ = ["MODES", "KERNELS", "LatteParams", "merge_heads"]
 
 #: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys;
 #: ``uniform`` = the mean of the values (a control that shows how much attention matters).
 MODES = ("exact", "linear", "dynamic", "uniform")
+#: The kernel of a non-exact (``linear``/``dynamic``) layer: ``latte`` (the calibrated Taylor kernel)
+#: or ``piecewise`` (exact softmax on the top key blocks, the rest approximated: ``ops.piecewise``).
+KERNELS = ("latte", "piecewise")
+#: Buffers added after the first checkpoints were written, with the value an older checkpoint means.
+_LATER_BUFFERS = {"kernel_id": 0, "piecewise_top": 0, "piecewise_gamma": 1.0, "piecewise_rest_id": 0,
+                  "piecewise_block": ops.PIECEWISE_BLOCK}
 
 
 def _fastpath_guard(module: nn.Module, args: tuple) -> None:
@@ -76,6 +82,12 @@ class LatteParams(nn.Module):
         self.register_buffer("mode_id", torch.tensor(0, dtype=torch.long))
         self.register_buffer("threshold", torch.tensor(int(threshold), dtype=torch.long))
         self.register_buffer("calibrated", torch.tensor(False))
+        # the piecewise kernel (ops.piecewise): exact key blocks per query block, mass scale, rest rule
+        self.register_buffer("kernel_id", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("piecewise_top", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("piecewise_gamma", torch.tensor(1.0))
+        self.register_buffer("piecewise_rest_id", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("piecewise_block", torch.tensor(ops.PIECEWISE_BLOCK, dtype=torch.long))
         self.variant = variant
         self.mode = mode
         self.backend = ops.resolve_backend(backend)
@@ -101,6 +113,44 @@ class LatteParams(nn.Module):
         if name not in MODES:
             raise ValueError(f"unknown attention mode {name!r}; choose one of {', '.join(MODES)}")
         self.mode_id.fill_(MODES.index(name))
+
+    @property
+    def kernel(self) -> str:
+        """The kernel of this layer's non-exact modes (:data:`KERNELS`)."""
+        return KERNELS[int(self.kernel_id)]
+
+    @kernel.setter
+    def kernel(self, name: str) -> None:
+        if name not in KERNELS:
+            raise ValueError(f"unknown LATTE kernel {name!r}; choose one of {', '.join(KERNELS)}")
+        self.kernel_id.fill_(KERNELS.index(name))
+
+    @property
+    def piecewise_rest(self) -> str:
+        return ops.RESTS[int(self.piecewise_rest_id)]
+
+    def set_piecewise(self, top: int, gamma: float = 1.0, rest: str = "blockmean", block: int = ops.PIECEWISE_BLOCK
+                      ) -> None:
+        """Makes this layer's kernel piecewise with ``top`` exact key blocks of ``block`` tokens."""
+        if int(top) < 1 or int(block) < 1:
+            raise ValueError(f"piecewise top and block must be >= 1, got top={top}, block={block}")
+        if rest not in ops.RESTS:
+            raise ValueError(f"unknown piecewise rest {rest!r}; choose one of {', '.join(ops.RESTS)}")
+        self.kernel = "piecewise"
+        self.piecewise_top.fill_(int(top))
+        self.piecewise_gamma.fill_(float(gamma))
+        self.piecewise_rest_id.fill_(ops.RESTS.index(rest))
+        self.piecewise_block.fill_(int(block))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # a checkpoint written before the piecewise kernel existed holds LATTE layers: fill its defaults
+        if prefix + "mode_id" in state_dict:
+            for key, value in _LATER_BUFFERS.items():
+                if prefix + key not in state_dict:
+                    state_dict[prefix + key] = torch.tensor(value, dtype=getattr(self, key).dtype)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     @property
     def alpha(self) -> float:
@@ -146,6 +196,8 @@ class LatteParams(nn.Module):
         ``attn_mask`` (bool, ``True`` = masked, e.g. causal) takes the quadratic masked path.
         """
         variant = self.variant
+        if self.kernel == "piecewise":
+            return self.correct(self.piecewise(q, k, v, key_padding_mask, attn_mask))
         if attn_mask is None and variant in ("latte", "jpn_only"):
             m = self.m.view(-1, 1, 1) if variant == "latte" else 1.0
             rho = torch.exp(self.log_rho).view(-1, 1, 1)
@@ -159,6 +211,25 @@ class LatteParams(nn.Module):
             else:
                 o = ops.naive_linear_attention(fq, fk, v.to(acc), key_padding_mask, attn_mask).to(v.dtype)
         return self.correct(o)
+
+    def piecewise(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
+                  attn_mask: Optional[Tensor] = None, q_pool: Optional[Tensor] = None) -> Tensor:
+        """The piecewise kernel (before the output correction): ``(B, H, N, d_v)``.
+
+        The fused path (:func:`~latte_plugin.ops.piecewise.piecewise_attention`; its exact part in
+        Triton with ``backend='triton'`` or on CUDA) unless ``q_pool`` is given: calibration's
+        sampled queries carry their blocks' pooled queries and take the naive reference.
+        """
+        if attn_mask is not None:
+            raise ValueError(f"layer '{getattr(self, 'layer_name', '?')}': the piecewise kernel cannot honour a "
+                             "general attention mask; calibrate it with kernel='latte'")
+        args = (int(self.piecewise_top), self.m.view(-1, 1, 1), torch.exp(self.log_rho).view(-1, 1, 1),
+                self.piecewise_gamma, key_padding_mask, self.piecewise_rest)
+        if q_pool is not None:
+            return ops.naive_piecewise_attention(q, k, v, *args, block=int(self.piecewise_block), q_pool=q_pool)
+        triton = self.backend == "triton" or (self.backend in ("auto", "compiled") and q.is_cuda)
+        return ops.piecewise_attention(q, k, v, *args, block=int(self.piecewise_block),
+                                       backend="triton" if triton else "eager")
 
     def correct(self, o: Tensor) -> Tensor:
         """The output correction of linear attention: sigma, then the refit if fitted.
@@ -214,8 +285,9 @@ class LatteParams(nn.Module):
         return bool(self._forward_hooks)
 
     def extra_repr(self) -> str:
+        kernel = f", piecewise top={int(self.piecewise_top)}" if self.kernel == "piecewise" else ""
         return (f"variant={self.variant}, mode={self.mode}, alpha={self.alpha:.4f}, calibrated={bool(self.calibrated)}, "
-                f"backend={self.backend}")
+                f"backend={self.backend}{kernel}")
 
 
 def merge_heads(o: Tensor) -> Tensor:
