@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import argparse
+import json
+import shlex
 import math
 import os
 import time
@@ -58,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
                    help="forwards timed per row for the speed-up column (best of N; default 20)")
     p.add_argument("--no-signal", action="store_true",
                    help="skip the signal column (one forward per candidate per calibration image; the headline skips it)")
+    p.add_argument("--latte", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="change the config's LatteConfig for every row, e.g. --latte ratio=1.0 "
+                        "'candidates=[\"hf.model.conv_encoder.backbone.model.layer.*.attention\"]' (values as "
+                        "JSON, else a string)")
     p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
     p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
     return p
@@ -118,7 +124,7 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
                                  "method", "chosen", "configuration", "comparison", "target", "halves", "judge_images",
                                  "greedy_images", "heldout", "compensation", "searched_again")},
                              "layers": {n: dict({k: f.get(k) for k in ("steps", "refit_reg", "correction", "applied",
-                                                                       "heldout_mse", "heldout", "choice")},
+                                                                       "heldout_mse", "heldout", "choice", "kernel")},
                                                 compensated=(f.get("compensated") or {}).get("correction"))
                                         for n, f in r["fit"].items()}}
                       for name, r in report.get("row_reports", {}).items()}
@@ -126,6 +132,7 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
         f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
                                                      ("num_images", a.num_images), ("data_root", a.data_root),
                                                      ("input_size", a.input_size)) if v) + (
+        " --latte " + " ".join(shlex.quote(x) for x in a.latte) if a.latte else "") + (
         " --rows " + " ".join(f"'{r}'" if "%" in r or " " in r else r for r in a.rows) if a.rows else "")
     return out
 
@@ -185,7 +192,11 @@ def build(a: argparse.Namespace):
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if a.num_images:
-        base.num_images = a.num_images
+        base = dataclasses.replace(base, num_images=a.num_images)
+    try:
+        base = dataclasses.replace(base, **latte_changes(a.latte))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: --latte {' '.join(a.latte)}: {e}") from None
     base = dataclasses.replace(base, signal=base.signal and not a.no_signal)
     drop_linearize_hook(cfg)
     cfg.load_from = None  # only --checkpoint ('none': the init weights)
@@ -194,6 +205,20 @@ def build(a: argparse.Namespace):
     runner = runner_with_checkpoint(cfg, None if a.checkpoint == "none" else a.checkpoint, latte=base)
     batches, _ = take_batches(build_calibration_loader(cfg, 1, "test", base.seed), base.num_images, (0, 1), ADAPTER)
     return runner, base, batches
+
+
+def latte_changes(pairs: list[str]) -> dict:
+    """``FIELD=VALUE`` pairs as LatteConfig changes (each value read as JSON, else kept a string)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"{pair!r} is not FIELD=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def assemble_report(res: dict, reps: dict, rows: list, default, a: argparse.Namespace, t0: float) -> dict:

@@ -72,6 +72,10 @@ ROWS = [
     # whole configurations and the compensation judged by the detections instead of the raw outputs
     Row("ours:judge=detections", {"judge": "detections"}),
     Row("ours:judge=detections@83%", {"judge": "detections", "ratio": 0.83, "num_linear": None}),
+    # the kernel of the linear layers (docs/method.md#piecewise): piecewise everywhere, or chosen per layer
+    Row("ours:kernel=piecewise", {"kernel": "piecewise"}),
+    Row("ours:kernel=auto", {"kernel": "auto"}),
+    Row("ours:kernel=auto@83%", {"kernel": "auto", "ratio": 0.83, "num_linear": None}),
 ]
 #: The row whose calibrated checkpoint the main job saves and reports at the top level: the
 #: package defaults (LatteConfig).

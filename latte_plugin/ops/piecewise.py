@@ -206,7 +206,8 @@ def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, top: int, m: Tensor | f
         top: exact key blocks per query block (capped at the number of key blocks).
         m, rho: LATTE's scalars for ``rest='latte'`` (scalars or ``(H, 1, 1)``). gamma: the mass scale.
         key_padding_mask: ``(B, M)``, ``True`` = padded. rest: one of :data:`RESTS`. block: tokens per block.
-        backend: ``eager``, or ``triton`` for the exact part through :mod:`.triton_piecewise`.
+        backend: ``eager``, or ``triton`` for the exact part through :mod:`.triton_piecewise` (where it
+            takes the block size and head dims; else eager).
 
     Returns:
         ``(B, H, N, d_v)`` in ``v``'s dtype; a query with no valid key gets zeros.
@@ -216,9 +217,9 @@ def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, top: int, m: Tensor | f
     qb, kb, vb, validb, q_pool = _blocked(q, k, v, key_padding_mask, block, acc)
     k_pool, k_counts = pool_blocks(kb.flatten(2, 3), validb.flatten(1, 3), block)
     idx = select_key_blocks(q_pool, k_pool, k_counts, min(int(top), kb.shape[2]))
-    if backend == "triton":
-        from . import triton_piecewise
+    from . import triton_piecewise
 
+    if backend == "triton" and triton_piecewise.supported(block, d, v.shape[-1]):
         rest_terms = piecewise_rest_terms(qb, kb, vb, validb, idx, rest, m, rho, gamma)
         out = triton_piecewise.exact_and_merge(qb, kb, vb, validb, idx, rest_terms)
     else:
