@@ -1,0 +1,185 @@
+"""The piecewise kernel (``docs/method.md#piecewise``): the fused path, the Triton kernel (under
+``TRITON_INTERPRET=1``) and the ONNX graph against the naive reference that builds every score;
+the block choice against a plain top-k; every block exact = softmax; 16-bit inputs with real
+calibrated scales; the calibration's choice of kernel and knobs.
+
+Tolerances: float32 paths within 2e-5 of the reference (the same sums in another order);
+16-bit inputs within 2e-2 of the float32 result of the same rounded inputs; ONNX within 1e-4.
+"""
+import itertools
+import os
+
+import pytest
+import torch
+
+from tests.conftest import qkv
+from tests.toy import ToyEncoder, toy_batches
+
+from latte_plugin import linearize, ops
+from latte_plugin.calibration.kernel_choice import pick_piecewise, piecewise_candidates
+from latte_plugin.calibration.record import RecordedItem, pooled_queries
+from latte_plugin.nn.install import find_latte_layers
+from latte_plugin.nn.params import LatteParams
+from latte_plugin.ops import triton_piecewise
+from latte_plugin.ops.piecewise import pool_blocks, select_key_blocks
+
+F32 = 2e-5
+PER_HEAD = dict(m=torch.tensor([0.5, 1.0, 1.5]).view(3, 1, 1), rho=torch.tensor([2.0, 1e3, 1e6]).view(3, 1, 1))
+
+
+def _mask(b, m, cut):
+    kpm = torch.zeros(b, m, dtype=torch.bool)
+    kpm[-1, cut:] = True
+    return kpm
+
+
+@pytest.mark.parametrize("rest", ops.RESTS)
+@pytest.mark.parametrize("n,m,top,padded", [(37, 50, 1, False), (64, 64, 2, True), (70, 130, 2, True),
+                                            (5, 130, 3, False), (130, 20, 1, True)])
+def test_fused_equals_naive_over_ragged_shapes_masks_and_both_rests(rest, n, m, top, padded):
+    q, k, v = qkv(b=2, h=3, n=n, m=m, d=16, dv=8, scale=2.0)
+    kpm = _mask(2, m, m // 2) if padded else None
+    args = (top, PER_HEAD["m"], PER_HEAD["rho"], 1.3, kpm, rest)
+    ref = ops.naive_piecewise_attention(q, k, v, *args, block=16)
+    torch.testing.assert_close(ops.piecewise_attention(q, k, v, *args, block=16), ref, atol=F32, rtol=F32)
+
+
+def test_block_choice_is_the_plain_top_k_of_the_block_means():
+    q, k, _ = qkv(b=1, h=2, n=50, m=90, d=16, scale=2.0)
+    kpm = _mask(1, 90, 75)  # the last key block (80..89) is all padding: never chosen before a real one
+    valid = torch.nn.functional.pad(~kpm, (0, 6))
+    kp, kc = pool_blocks(torch.nn.functional.pad(k, (0, 0, 0, 6)), valid, 16)
+    qp, _ = pool_blocks(torch.nn.functional.pad(q, (0, 0, 0, 14)), torch.arange(64)[None] < 50, 16)
+    idx = select_key_blocks(qp, kp, kc, 3)
+    for h, i in itertools.product(range(2), range(4)):
+        rows = q[0, h, 16 * i:16 * (i + 1)]
+        means = [k[0, h, 16 * j:16 * (j + 1)][~kpm[0, 16 * j:16 * (j + 1)]].mean(0) for j in range(5)]
+        scores = torch.stack([rows.mean(0) @ mj / 4.0 if not torch.isnan(mj).any() else torch.tensor(-1e9)
+                              for mj in means])
+        assert set(idx[0, h, i].tolist()) == set(torch.topk(scores, 3).indices.tolist())
+        assert 5 not in idx[0, h, i].tolist()
+
+
+@pytest.mark.parametrize("rest", ops.RESTS)
+def test_every_block_exact_is_softmax_attention(rest):
+    q, k, v = qkv(b=2, h=3, n=45, m=77, d=16, scale=3.0)
+    kpm = _mask(2, 77, 40)
+    ref = ops.naive_softmax_attention(q, k, v, kpm)
+    for path in (ops.piecewise_attention, ops.naive_piecewise_attention):
+        torch.testing.assert_close(path(q, k, v, 99, 0.7, 5.0, 2.0, kpm, rest, block=16), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rest", ops.RESTS)
+def test_triton_kernel_equals_the_fused_path(rest):
+    if not triton_piecewise.available():
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for n, m, padded in [(37, 50, False), (70, 130, True)]:
+        q, k, v = (x.to(dev) for x in qkv(b=2, h=3, n=n, m=m, d=16, scale=2.0))
+        kpm = _mask(2, m, m // 2).to(dev) if padded else None
+        args = (2, PER_HEAD["m"].to(dev), PER_HEAD["rho"].to(dev), 1.3, kpm, rest)
+        torch.testing.assert_close(ops.piecewise_attention(q, k, v, *args, block=16, backend="triton"),
+                                   ops.piecewise_attention(q, k, v, *args, block=16), atol=F32, rtol=F32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_with_real_calibrated_scales_are_finite_and_close(dtype):
+    # rho of calibrated ViT layers reaches 1e6..1e7 (results/main_job_deimv2_vit.json); activations of a few tens
+    q, k, v = qkv(b=1, h=3, n=200, m=200, d=32, scale=20.0)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    for rest in ops.RESTS:
+        args = (2, PER_HEAD["m"], torch.tensor([1e5, 1e6, 1e7]).view(3, 1, 1), 1.5, None, rest)
+        out = ops.piecewise_attention(q, k, v, *args, block=64)
+        assert out.dtype == dtype and bool(torch.isfinite(out).all())
+        ref = ops.piecewise_attention(q.float(), k.float(), v.float(), *args, block=64)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_layer_runs_piecewise_and_loads_a_checkpoint_written_before_it():
+    layer = LatteParams(48, 3)
+    old = {k: v for k, v in layer.state_dict().items() if "piecewise" not in k and "kernel" not in k}
+    fresh = LatteParams(48, 3)
+    fresh.set_piecewise(2, 1.5, "latte", 16)
+    fresh.load_state_dict(old)  # an older checkpoint: its layers are LATTE layers
+    assert fresh.kernel == "latte" and int(fresh.piecewise_block) == ops.PIECEWISE_BLOCK
+    fresh.set_piecewise(2, 1.5, "latte", 16)
+    fresh.mode = "linear"
+    q, k, v = qkv(b=2, h=3, n=40, m=40, d=16)
+    want = fresh.correct(ops.piecewise_attention(q, k, v, 2, fresh.m.view(-1, 1, 1), fresh.log_rho.exp().view(-1, 1, 1),
+                                                 1.5, None, "latte", block=16))
+    torch.testing.assert_close(fresh(q, k, v), want)
+    with pytest.raises(ValueError, match="general attention mask"):
+        fresh(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool).triu(1))
+    with pytest.raises(ValueError, match="unknown piecewise rest"):
+        fresh.set_piecewise(2, 1.0, "nearest")
+
+
+def test_pooled_queries_of_a_sample_give_the_full_kernel_on_those_queries():
+    """Calibration records a sample of the queries with their blocks' pooled queries: the naive
+    kernel on the sample equals the full kernel's rows."""
+    q, k, v = qkv(b=1, h=2, n=100, m=90, d=16, scale=2.0)
+    idx = torch.tensor([0, 7, 31, 32, 63, 99])
+    pool = pooled_queries(q[0], 16)[:, idx][None]
+    full = ops.piecewise_attention(q, k, v, 2, 0.8, 3.0, 1.2, None, "blockmean", block=16)
+    sample = ops.naive_piecewise_attention(q[:, :, idx], k, v, 2, 0.8, 3.0, 1.2, None, "blockmean", block=16,
+                                           q_pool=pool)
+    torch.testing.assert_close(sample, full[:, :, idx], atol=F32, rtol=F32)
+
+
+def test_the_knobs_rule_keeps_the_fewest_blocks_within_the_slack():
+    mse = {(1, 1.0): 3.0, (1, 2.0): 1.05, (2, 1.0): 1.2, (2, 2.0): 1.0, (4, 1.0): 0.99, (4, 2.0): 1.5}
+    assert pick_piecewise(mse) == (1, 2.0)  # 1.05 <= 1.1 x 0.99
+    mse[(1, 2.0)] = 1.2
+    assert pick_piecewise(mse) == (2, 2.0)
+    item = RecordedItem(q=torch.zeros(1, 4, 8), k=torch.zeros(1, 130, 8), v=torch.zeros(1, 130, 8),
+                        target=torch.zeros(1, 4, 8))
+    assert {t for t, _ in piecewise_candidates([item], 64, None)} == {1, 2}  # 3 key blocks: 4 and 8 cover them all
+    assert {t for t, _ in piecewise_candidates([item], 64, 4)} == {4}
+
+
+def test_calibration_chooses_the_kernel_per_layer_and_the_report_says_so():
+    batches = toy_batches(4, tokens=60)
+    runs = {}
+    for kernel in ("piecewise", "auto"):
+        model = ToyEncoder().eval()
+        _, rep = linearize(model, batches, candidates=["layers.*.attn"], ratio=0.67, steps=2, log=lambda s: None,
+                           progress=False, greedy_images=2, kernel=kernel, piecewise_block=16, signal=False,
+                           selection="score", compensate="never")
+        runs[kernel] = (model, rep)
+        layers = find_latte_layers(model)
+        for name, fit in rep["fit"].items():
+            choice = fit["kernel"]
+            assert layers[name].kernel == choice["kernel"]
+            assert set(choice["errors"]) == {"piecewise@1", "piecewise@2"}  # 4 key blocks of 16: 4 and 8 are exact
+            if kernel == "auto":  # the cross-fitted errors decide
+                want = "piecewise" if choice["crossfit"]["piecewise"] < choice["crossfit"]["latte"] else "latte"
+                assert choice["kernel"] == want
+            else:
+                assert choice["kernel"] == "piecewise" and int(layers[name].piecewise_top) == choice["top"]
+    model, rep = runs["piecewise"]
+    assert rep["attention_gflops"]["linearized"] != rep["attention_gflops"]["exact"]
+    with torch.no_grad():  # the hybrid runs, and its piecewise layers are what it runs
+        assert torch.isfinite(model(batches[0])).all()
+    model, rep = linearize(ToyEncoder().eval(), batches, candidates=["layers.*.attn"], ratio=0.67, steps=2,
+                           log=lambda s: None, progress=False, greedy_images=2, kernel="piecewise",
+                           piecewise_block=16, piecewise_top=1, signal=False, selection="score", compensate="never")
+    assert {f["kernel"]["top"] for f in rep["fit"].values()} == {1}
+
+
+def test_onnx_export_of_piecewise_layers_matches_onnxruntime(tmp_path):
+    from latte_plugin.export import STANDARD_DOMAINS, export_onnx, max_abs_diff, onnx_ops, run_onnx
+
+    model = ToyEncoder().eval()
+    linearize(model, toy_batches(4), candidates=["layers.*.attn"], ratio=0.67, steps=2, log=lambda s: None,
+              progress=False, greedy_images=2, kernel="piecewise", piecewise_block=16, piecewise_top=1, signal=False,
+              selection="score", compensate="never")
+    x, kpm = torch.randn(2, 48, 32), _mask(2, 48, 30)
+    path = export_onnx(model, (x, kpm), str(tmp_path / "pw.onnx"), input_names=["x", "kpm"])
+    ops_used = {op for _, op in onnx_ops(path)}
+    assert {d for d, _ in onnx_ops(path)} <= set(STANDARD_DOMAINS) and {"TopK", "Gather"} <= ops_used
+    with torch.no_grad():
+        for mask in (kpm, _mask(2, 48, 10)):
+            x = torch.randn(2, 48, 32)
+            assert max_abs_diff([model(x, mask)], run_onnx(path, x, mask)) < 1e-4
