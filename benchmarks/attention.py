@@ -12,7 +12,6 @@ in and o out: the memory roofline). Ratios are measured in the same process.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from typing import Optional
@@ -65,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--naive-max", type=int, default=4096)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the fused path")
+    p.add_argument("--piecewise-tops", type=int, nargs="*", default=[],
+                   help="also time the piecewise kernel (docs/method.md#piecewise) at these exact-block counts")
+    p.add_argument("--piecewise-order", default="similarity", choices=K.ORDERS)
+    p.add_argument("--piecewise-rest", default="latte", choices=K.RESTS)
     p.add_argument("--json")
     p.add_argument("--plot")
     return p.parse_args(argv)
@@ -84,6 +87,9 @@ def measure_point(a: argparse.Namespace, dname: str, n: int) -> dict:
            "memcpy": lambda: dst.copy_(src)}
     sync = (lambda: torch.cuda.synchronize()) if a.device.startswith("cuda") else (lambda: None)
     nan = float("nan")
+    for top in a.piecewise_tops:  # what a calibrated piecewise layer runs (gamma does not change the cost)
+        spec = K.PiecewiseSpec(top, 1.5, a.piecewise_rest, order=a.piecewise_order)
+        fns[f"piecewise@{top}"] = lambda spec=spec: K.piecewise_attention(q, k, v, spec, m, rho)
     with torch.no_grad():
         t = {name: best_time(lambda f=f: (f(), sync()), a.reps) for name, f in fns.items()}
         t["naive"] = best_time(lambda: (K.naive_softmax_attention(q, k, v), sync()), a.reps) if n <= a.naive_max else nan
@@ -96,7 +102,9 @@ def measure_point(a: argparse.Namespace, dname: str, n: int) -> dict:
                 speedup_vs_sdpa=t["sdpa"] / t["latte"], latte_over_memcpy=t["latte"] / t["memcpy"],
                 flop_ratio=fl, peak_bytes_latte=mem["latte"], peak_bytes_sdpa=mem["sdpa"],
                 compiled_ms=1e3 * t["compiled"], speedup_compiled_vs_sdpa=t["sdpa"] / t["compiled"],
-                compiled_over_memcpy=t["compiled"] / t["memcpy"])
+                compiled_over_memcpy=t["compiled"] / t["memcpy"],
+                **{f"{name}_ms": 1e3 * t[name] for name in t if name.startswith("piecewise@")},
+                **{f"speedup_{name}_vs_sdpa": t["sdpa"] / t[name] for name in t if name.startswith("piecewise@")})
 
 
 def plot(rows: list[dict], a: argparse.Namespace) -> None:
@@ -135,10 +143,20 @@ def main(argv=None) -> list[dict]:
             print(f"{dname:5s} {n:6d} {row['latte_ms']:9.3f} {row['sdpa_ms']:9.3f} {row['naive_ms']:9.3f} "
                   f"{row['memcpy_ms']:9.3f} {row['speedup_vs_sdpa']:10.2f} {row['latte_over_memcpy']:12.1f} "
                   f"{row['flop_ratio']:10.1f} {row['compiled_ms']:11.3f} {row['speedup_compiled_vs_sdpa']:10.2f} "
-                  f"{row['compiled_over_memcpy']:12.1f}", flush=True)
+                  f"{row['compiled_over_memcpy']:12.1f}"
+                  + "".join(f"  piecewise@{t} {row[f'piecewise@{t}_ms']:.3f} ms ({row[f'speedup_piecewise@{t}_vs_sdpa']:.2f}x)"
+                            for t in a.piecewise_tops), flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": a.device, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+        import shlex
+        import sys
+
+        from latte_plugin.storage import atomic_write_json
+
+        atomic_write_json({"device": a.device, "threads": torch.get_num_threads(), "heads": a.heads,
+                           "head_dim": a.head_dim, "piecewise_order": a.piecewise_order,
+                           "piecewise_rest": a.piecewise_rest, "rows": rows,
+                           "command": "python -m benchmarks.attention " + shlex.join(
+                               argv if argv is not None else sys.argv[1:])}, a.json)
     if a.plot:
         plot(rows, a)
     return rows

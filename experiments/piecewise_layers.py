@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-layer held-out reconstruction error of the attention layers of an mmdet config: exact,
-LATTE, and the piecewise kernel at each exact-block count, with each way of approximating the
-rest (``docs/method.md#piecewise``).
+LATTE, and the piecewise kernel at each exact-block count, with each way of forming the blocks
+and of approximating the rest (``docs/method.md#piecewise``).
 
     python -m experiments.piecewise_layers configs/mmdet/embedded/deimv2_vit6_synthetic_latte.py \
         checkpoints/deimv2_vit6_synthetic.pth --results results/piecewise_layers_deimv2_vit.json
@@ -23,7 +23,7 @@ VIT_BLOCKS = "hf.model.conv_encoder.backbone.model.layer.*.attention"
 
 
 def record(config: str, checkpoint: str, pattern: str, num_images: int, max_queries: int, block: int,
-           data_root: str | None, work_dir: str) -> dict:
+           data_root: str | None, work_dir: str, order: str) -> dict:
     """``{layer: (LatteParams, [fit items], [measuring items])}`` of the layers matching ``pattern``."""
     from latte_plugin.calibration.record import LayerRecorder, share_items
     from latte_plugin.calibration.taps import exact_taps
@@ -43,7 +43,7 @@ def record(config: str, checkpoint: str, pattern: str, num_images: int, max_quer
     if not layers:
         raise SystemExit(f"no LATTE layer of {config} matches {pattern!r}")
     batches = [s for b in itertools.islice(build_calibration_loader(cfg), num_images) for s in ADAPTER.split(b)]
-    recs = {n: LayerRecorder(n, num_images, max_queries, 0, pool_block=block) for n in layers}
+    recs = {n: LayerRecorder(n, num_images, max_queries, 0, pool_block=block, pool_order=order) for n in layers}
     forward = ADAPTER.forward(model)
     import torch
 
@@ -73,7 +73,7 @@ def _relative_mse(layer, items) -> float:
     return sse / energy
 
 
-def measure_layer(layer, fit: list, held: list, tops, gammas, block: int) -> dict:
+def measure_layer(layer, fit: list, held: list, tops, gammas, block: int, order: str) -> dict:
     """One layer's row: LATTE fitted on ``fit``; each (rest, top) with gamma chosen on ``fit``; errors on ``held``."""
     from latte_plugin import ops
     from latte_plugin.calibration.fit import fit_layer
@@ -86,11 +86,11 @@ def measure_layer(layer, fit: list, held: list, tops, gammas, block: int) -> dic
         for top in tops:
             best = None
             for g in gammas:
-                layer.set_piecewise(top, g, rest, block)
+                layer.set_piecewise(top, g, rest, block, order)
                 e = _relative_mse(layer, fit)
                 if best is None or e < best[0]:
                     best = (e, g)
-            layer.set_piecewise(top, best[1], rest, block)
+            layer.set_piecewise(top, best[1], rest, block, order)
             row["piecewise"][rest][str(top)] = {"gamma": best[1], "fit": best[0], "heldout": _relative_mse(layer, held)}
     layer.kernel = "latte"
     return row
@@ -98,7 +98,7 @@ def measure_layer(layer, fit: list, held: list, tops, gammas, block: int) -> dic
 
 def main(argv=None) -> dict:
     from latte_plugin.calibration.config import PIECEWISE_GAMMAS, PIECEWISE_TOPS
-    from latte_plugin.ops import PIECEWISE_BLOCK
+    from latte_plugin.ops import ORDERS, PIECEWISE_BLOCK
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config")
@@ -118,21 +118,23 @@ def main(argv=None) -> dict:
     from latte_plugin.storage import atomic_write_json
 
     t0 = time.time()
-    with quiet(os.path.join(a.work_dir, "piecewise_layers.log")):
-        recorded = record(a.config, a.checkpoint, a.candidates, a.num_images, a.max_queries, PIECEWISE_BLOCK,
-                          a.data_root, a.work_dir)
-    rows = {}
-    for n, (layer, fit, held) in recorded.items():
-        rows[n] = measure_layer(layer, fit, held, a.tops, PIECEWISE_GAMMAS, PIECEWISE_BLOCK)
-        pw = "  ".join(f"{rest}@{t} {v['heldout']:.4f}" for rest, by in rows[n]["piecewise"].items()
-                       for t, v in by.items())
-        print(f"{n}: {rows[n]['tokens']} tokens  latte {rows[n]['latte']:.4f}  {pw}", flush=True)
+    by_order = {}
+    for order in ORDERS:
+        with quiet(os.path.join(a.work_dir, "piecewise_layers.log")):
+            recorded = record(a.config, a.checkpoint, a.candidates, a.num_images, a.max_queries, PIECEWISE_BLOCK,
+                              a.data_root, a.work_dir, order)
+        rows = by_order[order] = {}
+        for n, (layer, fit, held) in recorded.items():
+            rows[n] = measure_layer(layer, fit, held, a.tops, PIECEWISE_GAMMAS, PIECEWISE_BLOCK, order)
+            pw = "  ".join(f"{rest}@{t} {v['heldout']:.4f}" for rest, by in rows[n]["piecewise"].items()
+                           for t, v in by.items())
+            print(f"{order} {n}: {rows[n]['tokens']} tokens  latte {rows[n]['latte']:.4f}  {pw}", flush=True)
     out = {"command": "python -m experiments.piecewise_layers " + shlex.join(argv if argv is not None else
                                                                              __import__("sys").argv[1:]),
            "config": a.config, "checkpoint": a.checkpoint, "block": PIECEWISE_BLOCK, "num_images": a.num_images,
            "fit_images": len(next(iter(recorded.values()))[1]), "measure_images": len(next(iter(recorded.values()))[2]),
            "max_queries": a.max_queries, "measure": "relative MSE of the attention output (no output correction)",
-           "seconds": round(time.time() - t0, 1), "rows": rows}
+           "seconds": round(time.time() - t0, 1), "orders": by_order}
     atomic_write_json(out, a.results)
     return out
 

@@ -33,23 +33,41 @@ def _mask(b, m, cut):
     return kpm
 
 
+@pytest.mark.parametrize("order", ops.ORDERS)
 @pytest.mark.parametrize("rest", ops.RESTS)
 @pytest.mark.parametrize("n,m,top,padded", [(37, 50, 1, False), (64, 64, 2, True), (70, 130, 2, True),
                                             (5, 130, 3, False), (130, 20, 1, True)])
-def test_fused_equals_naive_over_ragged_shapes_masks_and_both_rests(rest, n, m, top, padded):
+def test_fused_equals_naive_over_ragged_shapes_masks_rests_and_orders(order, rest, n, m, top, padded):
     q, k, v = qkv(b=2, h=3, n=n, m=m, d=16, dv=8, scale=2.0)
     kpm = _mask(2, m, m // 2) if padded else None
-    args = (top, PER_HEAD["m"], PER_HEAD["rho"], 1.3, kpm, rest)
-    ref = ops.naive_piecewise_attention(q, k, v, *args, block=16)
-    torch.testing.assert_close(ops.piecewise_attention(q, k, v, *args, block=16), ref, atol=F32, rtol=F32)
+    spec = ops.PiecewiseSpec(top, 1.3, rest, 16, order)
+    ref = ops.naive_piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], kpm)
+    got = ops.piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], kpm)
+    torch.testing.assert_close(got, ref, atol=F32, rtol=F32)
+
+
+def test_similarity_blocks_are_balanced_and_group_similar_tokens():
+    from latte_plugin.ops.piecewise import token_groups
+
+    # two well-separated clouds of 32 tokens each, interleaved: consecutive blocks mix them, bisection does not
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 64, 8, generator=g) * 0.1
+    x[..., 1::2, 0] += 5.0
+    groups, count = token_groups(x, None, 32, "similarity")
+    assert count == 2 and torch.bincount(groups.flatten()).tolist() == [32, 32]
+    assert len({int(groups[0, 0, i]) for i in range(1, 64, 2)}) == 1  # the shifted cloud is one block
+    kpm = torch.zeros(1, 64, dtype=torch.bool)
+    kpm[0, :10] = True
+    groups, _ = token_groups(x, ~kpm, 16, "similarity")
+    assert torch.bincount(groups.flatten()).tolist() == [16] * 4
 
 
 def test_block_choice_is_the_plain_top_k_of_the_block_means():
     q, k, _ = qkv(b=1, h=2, n=50, m=90, d=16, scale=2.0)
     kpm = _mask(1, 90, 75)  # the last key block (80..89) is all padding: never chosen before a real one
-    valid = torch.nn.functional.pad(~kpm, (0, 6))
+    valid = torch.nn.functional.pad(~kpm, (0, 6))[:, None]
     kp, kc = pool_blocks(torch.nn.functional.pad(k, (0, 0, 0, 6)), valid, 16)
-    qp, _ = pool_blocks(torch.nn.functional.pad(q, (0, 0, 0, 14)), torch.arange(64)[None] < 50, 16)
+    qp, _ = pool_blocks(torch.nn.functional.pad(q, (0, 0, 0, 14)), (torch.arange(64) < 50)[None, None], 16)
     idx = select_key_blocks(qp, kp, kc, 3)
     for h, i in itertools.product(range(2), range(4)):
         rows = q[0, h, 16 * i:16 * (i + 1)]
@@ -65,8 +83,9 @@ def test_every_block_exact_is_softmax_attention(rest):
     q, k, v = qkv(b=2, h=3, n=45, m=77, d=16, scale=3.0)
     kpm = _mask(2, 77, 40)
     ref = ops.naive_softmax_attention(q, k, v, kpm)
-    for path in (ops.piecewise_attention, ops.naive_piecewise_attention):
-        torch.testing.assert_close(path(q, k, v, 99, 0.7, 5.0, 2.0, kpm, rest, block=16), ref, atol=1e-5, rtol=1e-5)
+    for path, order in itertools.product((ops.piecewise_attention, ops.naive_piecewise_attention), ops.ORDERS):
+        torch.testing.assert_close(path(q, k, v, ops.PiecewiseSpec(99, 2.0, rest, 16, order), 0.7, 5.0, kpm), ref,
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rest", ops.RESTS)
@@ -76,12 +95,14 @@ def test_triton_kernel_equals_the_fused_path(rest):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for n, m, padded in [(37, 50, False), (70, 130, True)]:
+    # similarity blocks take the kernel where they hold a power of two of tokens (64 = 4 x 16)
+    for n, m, padded, order in [(37, 50, False, "tokens"), (70, 130, True, "tokens"), (64, 64, True, "similarity")]:
         q, k, v = (x.to(dev) for x in qkv(b=2, h=3, n=n, m=m, d=16, scale=2.0))
         kpm = _mask(2, m, m // 2).to(dev) if padded else None
-        args = (2, PER_HEAD["m"].to(dev), PER_HEAD["rho"].to(dev), 1.3, kpm, rest)
-        torch.testing.assert_close(ops.piecewise_attention(q, k, v, *args, block=16, backend="triton"),
-                                   ops.piecewise_attention(q, k, v, *args, block=16), atol=F32, rtol=F32)
+        args = (ops.PiecewiseSpec(2, 1.3, rest, 16, order), PER_HEAD["m"].to(dev), PER_HEAD["rho"].to(dev), kpm)
+        assert triton_piecewise.supported(16, 16, 16, 16)
+        torch.testing.assert_close(ops.piecewise_attention(q, k, v, *args, backend="triton"),
+                                   ops.piecewise_attention(q, k, v, *args), atol=F32, rtol=F32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -89,11 +110,11 @@ def test_16_bit_inputs_with_real_calibrated_scales_are_finite_and_close(dtype):
     # rho of calibrated ViT layers reaches 1e6..1e7 (results/main_job_deimv2_vit.json); activations of a few tens
     q, k, v = qkv(b=1, h=3, n=200, m=200, d=32, scale=20.0)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    for rest in ops.RESTS:
-        args = (2, PER_HEAD["m"], torch.tensor([1e5, 1e6, 1e7]).view(3, 1, 1), 1.5, None, rest)
-        out = ops.piecewise_attention(q, k, v, *args, block=64)
+    for rest, order in itertools.product(ops.RESTS, ops.ORDERS):
+        args = (ops.PiecewiseSpec(2, 1.5, rest, 64, order), PER_HEAD["m"], torch.tensor([1e5, 1e6, 1e7]).view(3, 1, 1))
+        out = ops.piecewise_attention(q, k, v, *args)
         assert out.dtype == dtype and bool(torch.isfinite(out).all())
-        ref = ops.piecewise_attention(q.float(), k.float(), v.float(), *args, block=64)
+        ref = ops.piecewise_attention(q.float(), k.float(), v.float(), *args)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -107,8 +128,8 @@ def test_layer_runs_piecewise_and_loads_a_checkpoint_written_before_it():
     fresh.set_piecewise(2, 1.5, "latte", 16)
     fresh.mode = "linear"
     q, k, v = qkv(b=2, h=3, n=40, m=40, d=16)
-    want = fresh.correct(ops.piecewise_attention(q, k, v, 2, fresh.m.view(-1, 1, 1), fresh.log_rho.exp().view(-1, 1, 1),
-                                                 1.5, None, "latte", block=16))
+    want = fresh.correct(ops.piecewise_attention(q, k, v, ops.PiecewiseSpec(2, 1.5, "latte", 16), fresh.m.view(-1, 1, 1),
+                                                 fresh.log_rho.exp().view(-1, 1, 1)))
     torch.testing.assert_close(fresh(q, k, v), want)
     with pytest.raises(ValueError, match="general attention mask"):
         fresh(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool).triu(1))
@@ -121,11 +142,12 @@ def test_pooled_queries_of_a_sample_give_the_full_kernel_on_those_queries():
     kernel on the sample equals the full kernel's rows."""
     q, k, v = qkv(b=1, h=2, n=100, m=90, d=16, scale=2.0)
     idx = torch.tensor([0, 7, 31, 32, 63, 99])
-    pool = pooled_queries(q[0], 16)[:, idx][None]
-    full = ops.piecewise_attention(q, k, v, 2, 0.8, 3.0, 1.2, None, "blockmean", block=16)
-    sample = ops.naive_piecewise_attention(q[:, :, idx], k, v, 2, 0.8, 3.0, 1.2, None, "blockmean", block=16,
-                                           q_pool=pool)
-    torch.testing.assert_close(sample, full[:, :, idx], atol=F32, rtol=F32)
+    for order in ops.ORDERS:
+        pool = pooled_queries(q[0], 16, order)[:, idx][None]
+        spec = ops.PiecewiseSpec(2, 1.2, "blockmean", 16, order)
+        full = ops.piecewise_attention(q, k, v, spec, 0.8, 3.0)
+        sample = ops.naive_piecewise_attention(q[:, :, idx], k, v, spec, 0.8, 3.0, None, pool)
+        torch.testing.assert_close(sample, full[:, :, idx], atol=F32, rtol=F32)
 
 
 def test_the_knobs_rule_keeps_the_fewest_blocks_within_the_slack():

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-from ..ops import BACKENDS, PIECEWISE_BLOCK, RESTS, VARIANTS
+from ..ops import BACKENDS, ORDERS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
 __all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES",
            "INFERENCE_MODES", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
@@ -155,7 +155,11 @@ class LatteConfig:
                                 "cross-fitted reconstruction error)", KERNEL_CHOICES)
     piecewise_top: Optional[int] = _opt(None, "exact key blocks per query block of a piecewise layer; default: "
                                               "calibrated per layer among 1, 2, 4 and 8")
-    piecewise_block: int = _opt(PIECEWISE_BLOCK, "tokens per block of the piecewise kernel")
+    piecewise_block: int = _opt(PIECEWISE_BLOCK, "tokens per block of the piecewise kernel (about that many with "
+                                                 "piecewise_order=similarity)")
+    piecewise_order: str = _opt("similarity", "how a piecewise layer forms its blocks: tokens (consecutive tokens, "
+                                              "PISA's blocks) or similarity (similar tokens together, by balanced "
+                                              "bisection of each input's queries and keys)", ORDERS)
     piecewise_rest: str = _opt("blockmean", "how a piecewise layer approximates the keys outside its exact "
                                             "blocks: blockmean (each block's mean key and value, plus a shared "
                                             "first-order term) or latte (the calibrated LATTE kernel)", RESTS)
@@ -203,6 +207,8 @@ class LatteConfig:
             raise ValueError(f"kernel must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernel!r}")
         if self.piecewise_rest not in RESTS:
             raise ValueError(f"piecewise_rest must be one of {', '.join(RESTS)}, got {self.piecewise_rest!r}")
+        if self.piecewise_order not in ORDERS:
+            raise ValueError(f"piecewise_order must be one of {', '.join(ORDERS)}, got {self.piecewise_order!r}")
         if self.piecewise_top is not None and int(self.piecewise_top) < 1:
             raise ValueError(f"piecewise_top must be >= 1 (or unset: calibrated), got {self.piecewise_top}")
         if int(self.piecewise_block) < 1:

@@ -54,8 +54,7 @@ class FitOptions:
             items are dealt round-robin.
         rules: further correction rules to fit beside ``correction`` (``FitResult.rules``).
         all_reduce: sums a tensor across ranks in place.
-        kernel, piecewise_top, piecewise_block, piecewise_rest: the kernel choice
-            (:func:`~latte_plugin.calibration.kernel_choice.choose_kernel`; ``LatteConfig``'s fields).
+        kernel, piecewise_*: the kernel choice (``kernel_choice.choose_kernel``; LatteConfig's fields).
     """
 
     steps: int = 20
@@ -70,6 +69,7 @@ class FitOptions:
     piecewise_top: Optional[int] = None
     piecewise_block: int = 64
     piecewise_rest: str = "blockmean"
+    piecewise_order: str = "similarity"
 
     def __post_init__(self) -> None:
         if self.correction not in CORRECTIONS:

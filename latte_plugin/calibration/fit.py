@@ -196,8 +196,7 @@ def fit_records(layer: LatteParams, records: LayerRecords, opts: FitOptions) -> 
     layer.log_rho.copy_(log_rho.expand(layer.num_heads))
     kernel = None
     if opts.kernel != "latte":
-        kernel = choose_kernel(layer, records, opts, opts.kernel, opts.piecewise_block, opts.piecewise_rest,
-                               opts.piecewise_top)
+        kernel = choose_kernel(layer, records, opts)
         kernel = {**kernel.entry(), **_kernel_heldout(layer, records.report)}
     res = fit_correction(layer, records, opts)
     return replace(res, initial_mse=initial, alpha_init=alpha0, steps=n_steps,

@@ -161,7 +161,7 @@ def _fit_layers(run: CalibrationRun, group: list[str], recs: dict) -> tuple[dict
     opts = FitOptions(steps=cfg.steps, lr=cfg.lr, correction=cfg.correction, per_head=cfg.per_head,
                       refit_regs=tuple(cfg.refit_reg), fold_of=run.fold_of, rules=run.rules, kernel=cfg.kernel,
                       piecewise_top=cfg.piecewise_top, piecewise_block=cfg.piecewise_block,
-                      piecewise_rest=cfg.piecewise_rest)
+                      piecewise_rest=cfg.piecewise_rest, piecewise_order=cfg.piecewise_order)
     for n in group:
         layer = run.layers[n]
         res = fit_records(layer, LayerRecords(*(recs[role][n].items for role in ROLES)), opts)

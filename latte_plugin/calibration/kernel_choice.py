@@ -18,6 +18,7 @@ import torch
 from ..nn.params import LatteParams
 from .config import CROSS_FIT_FOLDS, PIECEWISE_GAMMAS, PIECEWISE_SLACK, PIECEWISE_TOPS
 from .corrections import FitOptions, LayerRecords, linear_outputs, partition
+from ..ops.piecewise import similarity_groups
 from .record import RecordedItem, stack_by_shape
 
 __all__ = ["KernelChoice", "choose_kernel", "piecewise_candidates", "pick_piecewise"]
@@ -43,17 +44,19 @@ class KernelChoice:
     crossfit: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
     reason: str = ""
+    order: Optional[str] = None
 
     def entry(self) -> dict:
-        return {"kernel": self.kernel, "top": self.top, "gamma": self.gamma, "rest": self.rest,
+        return {"kernel": self.kernel, "top": self.top, "gamma": self.gamma, "rest": self.rest, "order": self.order,
                 "crossfit": self.crossfit, "errors": self.errors, **({"reason": self.reason} if self.reason else {})}
 
 
-def piecewise_candidates(items: Sequence[RecordedItem], block: int, top: Optional[int]) -> list[Candidate]:
+def piecewise_candidates(items: Sequence[RecordedItem], block: int, top: Optional[int],
+                         order: str = "tokens") -> list[Candidate]:
     """The (top, gamma) pairs to compare: ``top`` fixed, or every :data:`PIECEWISE_TOPS` count that
     leaves some key of some image approximated (a count covering every key is exact softmax at a
     higher cost)."""
-    most_blocks = max(-(-it.k.shape[-2] // block) for it in items)
+    most_blocks = max(similarity_groups(it.k.shape[-2], block, order)[0] for it in items)
     tops = [int(top)] if top is not None else [t for t in PIECEWISE_TOPS if t < most_blocks]
     return [(t, g) for t in tops for g in PIECEWISE_GAMMAS]
 
@@ -88,23 +91,23 @@ def _mse(pairs: Sequence[tuple[float, float]]) -> float:
 
 
 @torch.no_grad()
-def choose_kernel(layer: LatteParams, records: LayerRecords, opts: FitOptions, kernel: str, block: int,
-                  rest: str, top: Optional[int] = None) -> KernelChoice:
-    """Chooses and sets ``layer``'s kernel (``kernel``: ``piecewise`` or ``auto``; module docstring).
+def choose_kernel(layer: LatteParams, records: LayerRecords, opts: FitOptions) -> KernelChoice:
+    """Chooses and sets ``layer``'s kernel (``opts.kernel``: ``piecewise`` or ``auto``; module docstring).
 
     Args:
         layer: a layer whose LATTE scalars are fitted. records: its recorded items by role.
-        opts: the fit's options (``fold_of`` deals the items to folds). block, rest, top: the
-            piecewise settings (``top=None``: chosen among :data:`PIECEWISE_TOPS`).
+        opts: the fit's options: ``fold_of`` deals the items to folds; ``piecewise_*`` the piecewise
+            settings (``piecewise_top=None``: chosen among :data:`PIECEWISE_TOPS`).
 
     Returns:
         The :class:`KernelChoice`; the layer holds it.
     """
+    kernel, block, rest, order = opts.kernel, opts.piecewise_block, opts.piecewise_rest, opts.piecewise_order
     layer.kernel = "latte"
     items = list(records.fit) + list(records.choose)
     if any(it.q_pool is None for it in items):
         return KernelChoice("latte", reason="a general attention mask (or no pooled queries recorded)")
-    cands = piecewise_candidates(items, block, top)
+    cands = piecewise_candidates(items, block, opts.piecewise_top, order)
     if not cands:
         return KernelChoice("latte", reason=f"at most {min(PIECEWISE_TOPS)} key block(s) of {block} tokens: "
                                             "nothing would be approximated")
@@ -113,7 +116,7 @@ def choose_kernel(layer: LatteParams, records: LayerRecords, opts: FitOptions, k
     latte = _fold_sse(layer, parts)
     per_fold: dict[Candidate, list[tuple[float, float]]] = {}
     for t, g in cands:
-        layer.set_piecewise(t, g, rest, block)
+        layer.set_piecewise(t, g, rest, block, order)
         per_fold[(t, g)] = _fold_sse(layer, parts)
     crossfit = []
     for f in range(len(parts)):  # each fold measured with the knobs the other folds chose
@@ -129,5 +132,5 @@ def choose_kernel(layer: LatteParams, records: LayerRecords, opts: FitOptions, k
     if not use:
         layer.kernel = "latte"
         return KernelChoice("latte", crossfit=scores, errors=errors)
-    layer.set_piecewise(t, g, rest, block)
-    return KernelChoice("piecewise", t, g, rest, scores, errors)
+    layer.set_piecewise(t, g, rest, block, order)
+    return KernelChoice("piecewise", t, g, rest, scores, errors, order=order)

@@ -97,6 +97,7 @@ class LayerRecorder:
     #: > 0: also record each sampled query's pooled query over blocks of this many queries
     #: (:attr:`RecordedItem.q_pool`, for the piecewise kernel)
     pool_block: int = 0
+    pool_order: str = "tokens"
     calls: int = 0
     #: called again within one forward (the same ``batch_key``): such a layer cannot stop early
     repeated: bool = False
@@ -145,7 +146,7 @@ class LayerRecorder:
             mask = None if mask is None else mask[:, :, keep]
         q_pool = None
         if self.pool_block > 0 and mask is None:
-            q_pool = pooled_queries(q[b], self.pool_block)[:, idx.to(q.device)].detach().float().cpu()
+            q_pool = pooled_queries(q[b], self.pool_block, self.pool_order)[:, idx.to(q.device)].detach().float().cpu()
         return RecordedItem(q=q[b][:, idx].detach().float().cpu(), k=kb.detach().float().cpu(),
                             v=vb.detach().float().cpu(), target=out[b][:, idx].detach().float().cpu(),
                             mask=None if mask is None else mask.detach().cpu(), key=key, priority=priority,
@@ -158,13 +159,14 @@ class LayerRecorder:
             self.items.pop(worst)
 
 
-def pooled_queries(q: Tensor, block: int) -> Tensor:
-    """Each query's block mean (contiguous blocks of ``block`` queries, the last one shorter):
-    ``(H, N, d)`` to ``(H, N, d)``, as the piecewise kernel pools them."""
-    n = q.shape[-2]
-    blocks = torch.arange(n, device=q.device) // block
-    hot = torch.nn.functional.one_hot(blocks).to(q.dtype)  # (N, nQ)
-    return (hot.t() @ q / hot.sum(0)[:, None])[..., blocks, :]
+def pooled_queries(q: Tensor, block: int, order: str = "tokens") -> Tensor:
+    """Each query's block mean, the blocks formed as the piecewise kernel forms them
+    (``ops.piecewise.token_groups``): ``(H, N, d)`` to ``(H, N, d)``."""
+    from ..ops.piecewise import token_groups
+
+    groups, count = token_groups(q.unsqueeze(0), None, block, order)
+    hot = torch.nn.functional.one_hot(groups[0], count).to(q.dtype)  # (H, N, nQ)
+    return hot @ (hot.transpose(-1, -2) @ q / hot.sum(-2).clamp_min(1).unsqueeze(-1))
 
 
 _HEADER = ("present", "key", "priority", "H", "n", "M", "d", "dv", "has_mask", "has_pool")
@@ -266,7 +268,8 @@ def record_layers(run: CalibrationRun, group: list[str], desc: str) -> dict[str,
     """
     cfg, layers = run.cfg, run.layers
     pool = cfg.piecewise_block if cfg.kernel != "latte" else 0
-    recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed, pool_block=pool) for n in group}
+    recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed, pool_block=pool,
+                                    pool_order=cfg.piecewise_order) for n in group}
             for role in ROLES}
     stop = len(group) == 1 and group[0] in run.caches.runs_once
     forwards = 0

@@ -25,7 +25,7 @@ MODES = ("exact", "linear", "dynamic", "uniform")
 KERNELS = ("latte", "piecewise")
 #: Buffers added after the first checkpoints were written, with the value an older checkpoint means.
 _LATER_BUFFERS = {"kernel_id": 0, "piecewise_top": 0, "piecewise_gamma": 1.0, "piecewise_rest_id": 0,
-                  "piecewise_block": ops.PIECEWISE_BLOCK}
+                  "piecewise_block": ops.PIECEWISE_BLOCK, "piecewise_order_id": 0}
 
 
 def _fastpath_guard(module: nn.Module, args: tuple) -> None:
@@ -88,6 +88,7 @@ class LatteParams(nn.Module):
         self.register_buffer("piecewise_gamma", torch.tensor(1.0))
         self.register_buffer("piecewise_rest_id", torch.tensor(0, dtype=torch.long))
         self.register_buffer("piecewise_block", torch.tensor(ops.PIECEWISE_BLOCK, dtype=torch.long))
+        self.register_buffer("piecewise_order_id", torch.tensor(0, dtype=torch.long))
         self.variant = variant
         self.mode = mode
         self.backend = ops.resolve_backend(backend)
@@ -129,18 +130,21 @@ class LatteParams(nn.Module):
     def piecewise_rest(self) -> str:
         return ops.RESTS[int(self.piecewise_rest_id)]
 
-    def set_piecewise(self, top: int, gamma: float = 1.0, rest: str = "blockmean", block: int = ops.PIECEWISE_BLOCK
-                      ) -> None:
-        """Makes this layer's kernel piecewise with ``top`` exact key blocks of ``block`` tokens."""
-        if int(top) < 1 or int(block) < 1:
-            raise ValueError(f"piecewise top and block must be >= 1, got top={top}, block={block}")
-        if rest not in ops.RESTS:
-            raise ValueError(f"unknown piecewise rest {rest!r}; choose one of {', '.join(ops.RESTS)}")
+    @property
+    def piecewise_order(self) -> str:
+        return ops.ORDERS[int(self.piecewise_order_id)]
+
+    def set_piecewise(self, top: int, gamma: float = 1.0, rest: str = "blockmean", block: int = ops.PIECEWISE_BLOCK,
+                      order: str = "tokens") -> None:
+        """Makes this layer's kernel piecewise with ``top`` exact key blocks of about ``block`` tokens
+        formed in ``order`` (:data:`~latte_plugin.ops.piecewise.ORDERS`)."""
+        ops.PiecewiseSpec(int(top), float(gamma), rest, int(block), order)  # validates
         self.kernel = "piecewise"
         self.piecewise_top.fill_(int(top))
         self.piecewise_gamma.fill_(float(gamma))
         self.piecewise_rest_id.fill_(ops.RESTS.index(rest))
         self.piecewise_block.fill_(int(block))
+        self.piecewise_order_id.fill_(ops.ORDERS.index(order))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -223,13 +227,17 @@ class LatteParams(nn.Module):
         if attn_mask is not None:
             raise ValueError(f"layer '{getattr(self, 'layer_name', '?')}': the piecewise kernel cannot honour a "
                              "general attention mask; calibrate it with kernel='latte'")
-        args = (int(self.piecewise_top), self.m.view(-1, 1, 1), torch.exp(self.log_rho).view(-1, 1, 1),
-                self.piecewise_gamma, key_padding_mask, self.piecewise_rest)
+        spec = self.piecewise_spec()
+        m, rho = self.m.view(-1, 1, 1), torch.exp(self.log_rho).view(-1, 1, 1)
         if q_pool is not None:
-            return ops.naive_piecewise_attention(q, k, v, *args, block=int(self.piecewise_block), q_pool=q_pool)
+            return ops.naive_piecewise_attention(q, k, v, spec, m, rho, key_padding_mask, q_pool)
         triton = self.backend == "triton" or (self.backend in ("auto", "compiled") and q.is_cuda)
-        return ops.piecewise_attention(q, k, v, *args, block=int(self.piecewise_block),
-                                       backend="triton" if triton else "eager")
+        return ops.piecewise_attention(q, k, v, spec, m, rho, key_padding_mask, "triton" if triton else "eager")
+
+    def piecewise_spec(self) -> "ops.PiecewiseSpec":
+        """This layer's piecewise knobs."""
+        return ops.PiecewiseSpec(int(self.piecewise_top), float(self.piecewise_gamma), self.piecewise_rest,
+                                 int(self.piecewise_block), self.piecewise_order)
 
     def correct(self, o: Tensor) -> Tensor:
         """The output correction of linear attention: sigma, then the refit if fitted.

@@ -86,25 +86,59 @@ def naive_linear_attention(
     return (scores @ v) / torch.where(denom != 0, denom, torch.ones_like(denom))
 
 
-def _block_of(length: int, block: int, device) -> Tensor:
-    """``(L,)`` the block index of each token."""
-    return torch.arange(length, device=device) // block
+def _naive_key_blocks(k: Tensor, v: Tensor, valid: Tensor, spec) -> tuple:
+    """Every key's block and the blocks' sums: ``(block of each key (B, H, M), counts (B, H, nK),
+    mean keys (B, H, nK, d), value sums (B, H, nK, d_v))``."""
+    from .piecewise import token_groups
+
+    kgroup, nk = token_groups(k, valid, spec.block, spec.order)
+    onehot = torch.nn.functional.one_hot(kgroup, nk).to(k.dtype) * valid[:, None, :, None].to(k.dtype)
+    counts = onehot.sum(dim=2)
+    kbar = (onehot.transpose(-1, -2) @ k) / counts.clamp_min(1).unsqueeze(-1)
+    return kgroup, counts, kbar, onehot.transpose(-1, -2) @ v
 
 
-def naive_piecewise_attention(q: Tensor, k: Tensor, v: Tensor, top: int, m: Tensor | float = 1.0,
-                              rho: Tensor | float = 1.0, gamma: Tensor | float = 1.0,
-                              key_padding_mask: Optional[Tensor] = None, rest: str = "blockmean", block: int = 64,
+def _naive_pooled_queries(q: Tensor, spec) -> Tensor:
+    """Each query's block mean, ``(B, H, N, d)``."""
+    from .piecewise import token_groups
+
+    qgroup, nq = token_groups(q, None, spec.block, spec.order)
+    qhot = torch.nn.functional.one_hot(qgroup, nq).to(q.dtype)  # (B, H, N, nQ)
+    return qhot @ (qhot.transpose(-1, -2) @ q / qhot.sum(2).clamp_min(1).unsqueeze(-1))
+
+
+def _naive_rest_values(q, k, v, blocks, rest_k, weights, spec, latte) -> Tensor:
+    """The rest's numerator written out per key, given ``blocks`` ``(mean keys, block of each key)``,
+    the rest keys of each query ``rest_k`` ``(B, H, N, M)``, the rest's mass ``weights``
+    ``(r_den (B, H, N, 1), w (B, H, N, nK), vsum, n_rest)`` and LATTE's ``(m, rho)``."""
+    from .piecewise import psi_unit
+
+    (kbar, kgroup), (r_den, w, vsum, n_rest), (m, rho) = blocks, weights, latte
+    d = q.shape[-1]
+    if spec.rest == "blockmean":
+        centred = k - torch.gather(kbar, 2, kgroup.unsqueeze(-1).expand_as(k))  # rest_k drops padded keys
+        # sum over a query's rest keys of (q . (k_l - kbar of l's block)) v_l
+        first = ((q @ centred.transpose(-1, -2)) * rest_k) @ v / math.sqrt(d)
+        return spec.gamma * (w @ vsum) + r_den / n_rest.clamp_min(1) * first
+    fq = psi_unit(q, m) * torch.as_tensor(rho, dtype=q.dtype, device=q.device)
+    kern = (fq @ psi_unit(k, m).transpose(-1, -2) + 1.0) * rest_k  # (B, H, N, M)
+    lden = kern.sum(-1, keepdim=True)
+    return r_den * (kern @ v) / torch.where(lden > 0, lden, torch.ones_like(lden))
+
+
+def naive_piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec, m: Tensor | float = 1.0,
+                              rho: Tensor | float = 1.0, key_padding_mask: Optional[Tensor] = None,
                               q_pool: Optional[Tensor] = None) -> Tensor:
     """Reference piecewise attention (``docs/method.md#piecewise``) with the full ``N x M`` score
-    matrix: the same block choice, then every term written out per key and per block.
+    matrix: the same blocks (``token_groups``) and block choice, then every term written out per
+    key and per block.
 
     Args:
         q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``.
-        top, m, rho, gamma, key_padding_mask, rest, block: as in
-            :func:`latte_plugin.ops.piecewise.piecewise_attention`.
+        spec, m, rho, key_padding_mask: as in :func:`latte_plugin.ops.piecewise.piecewise_attention`.
         q_pool: ``(B, H, N, d)``, each query's pooled query (the mean of its block); default: the
-            means of ``q``'s own contiguous blocks. Calibration records a sample of the queries and
-            passes the means of their full blocks here.
+            means of ``q``'s own blocks. Calibration records a sample of the queries and passes the
+            means of their full blocks here.
 
     Returns:
         ``(B, H, N, d_v)`` in ``v``'s dtype.
@@ -113,50 +147,22 @@ def naive_piecewise_attention(q: Tensor, k: Tensor, v: Tensor, top: int, m: Tens
     out_dtype = v.dtype
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     b, h, n, d = q.shape
-    mlen, dev = k.shape[-2], q.device
-    valid = torch.ones(b, mlen, dtype=torch.bool, device=dev) if key_padding_mask is None else ~key_padding_mask
-    kblock = _block_of(mlen, block, dev)
-    nk = int(kblock[-1]) + 1
-    onehot = torch.nn.functional.one_hot(kblock, nk).to(acc) * valid.to(acc).unsqueeze(-1)  # (B, M, nK)
-    counts = onehot.sum(dim=1)  # (B, nK)
-    kbar = (onehot.transpose(1, 2).unsqueeze(1) @ k) / counts.clamp_min(1)[:, None, :, None]  # (B, H, nK, d)
-    vsum = onehot.transpose(1, 2).unsqueeze(1) @ v  # (B, H, nK, d_v)
-    if q_pool is None:
-        qblock = _block_of(n, block, dev)
-        qhot = torch.nn.functional.one_hot(qblock, int(qblock[-1]) + 1).to(acc)  # (N, nQ)
-        q_pool = (qhot.t() @ q / qhot.sum(0)[:, None])[..., qblock, :]  # (B, H, N, d)
-    pooled = (q_pool.to(acc) @ kbar.transpose(-1, -2)) / math.sqrt(d)  # (B, H, N, nK)
-    pooled = pooled.masked_fill((counts == 0)[:, None, None, :], float("-inf"))
-    idx = torch.topk(pooled, min(int(top), nk), dim=-1).indices
+    mlen = k.shape[-2]
+    valid = torch.ones(b, mlen, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+    kgroup, counts, kbar, vsum = _naive_key_blocks(k, v, valid, spec)
+    q_pool = _naive_pooled_queries(q, spec) if q_pool is None else q_pool.to(acc)
+    pooled = (q_pool @ kbar.transpose(-1, -2) / math.sqrt(d)).masked_fill((counts == 0).unsqueeze(-2), float("-inf"))
+    idx = torch.topk(pooled, min(int(spec.top), kbar.shape[2]), dim=-1).indices
     chosen_b = torch.zeros_like(pooled, dtype=torch.bool).scatter(-1, idx, True)  # (B, H, N, nK)
-    chosen_k = chosen_b[..., kblock] & valid[:, None, None, :]  # (B, H, N, M)
-    rest_b = ~chosen_b & (counts > 0)[:, None, None, :]
-    rest_k = ~chosen_b[..., kblock] & valid[:, None, None, :]
-    x = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-    y = (q @ kbar.transpose(-1, -2)) / math.sqrt(d)
+    in_chosen = torch.gather(chosen_b, 3, kgroup.unsqueeze(2).expand(b, h, n, mlen))  # (B, H, N, M)
+    chosen_k, rest_k = in_chosen & valid[:, None, None, :], ~in_chosen & valid[:, None, None, :]
+    rest_b = ~chosen_b & (counts > 0).unsqueeze(-2)
+    x, y = (q @ k.transpose(-1, -2)) / math.sqrt(d), (q @ kbar.transpose(-1, -2)) / math.sqrt(d)
     mx = torch.maximum(x.masked_fill(~chosen_k, float("-inf")).amax(-1), y.masked_fill(~rest_b, float("-inf")).amax(-1))
     mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx).unsqueeze(-1)
-    e = torch.exp(x - mx) * chosen_k
-    w = torch.exp(y - mx) * rest_b  # (B, H, N, nK)
-    gamma = torch.as_tensor(gamma, dtype=acc, device=dev)
-    r_den = gamma * (w * counts[:, None, None, :]).sum(-1, keepdim=True)
-    n_rest = (rest_b * counts[:, None, None, :]).sum(-1, keepdim=True)
-    if rest == "blockmean":
-        r_num = gamma * (w @ vsum)
-        centred = (k - kbar[:, :, kblock]) * valid[:, None, :, None]  # (B, H, M, d): k_l - kbar of its block
-        # sum over rest keys of (q . (k_l - kbar_j)) v_l, for each query: its own rest keys
-        first = ((q @ centred.transpose(-1, -2)) * rest_k) @ v / math.sqrt(d)
-        r_num = r_num + r_den / n_rest.clamp_min(1) * first
-    elif rest == "latte":
-        from .piecewise import psi_unit
-
-        fq = psi_unit(q, m) * torch.as_tensor(rho, dtype=acc, device=dev)
-        fk = psi_unit(k, m)
-        kern = (fq @ fk.transpose(-1, -2) + 1.0) * rest_k  # (B, H, N, M)
-        lden = kern.sum(-1, keepdim=True)
-        r_num = r_den * (kern @ v) / torch.where(lden > 0, lden, torch.ones_like(lden))
-    else:
-        raise ValueError(f"unknown piecewise rest {rest!r}")
-    num = e @ v + r_num
+    e, w = torch.exp(x - mx) * chosen_k, torch.exp(y - mx) * rest_b
+    r_den = spec.gamma * (w * counts.unsqueeze(-2)).sum(-1, keepdim=True)
+    n_rest = (rest_b * counts.unsqueeze(-2)).sum(-1, keepdim=True)
+    r_num = _naive_rest_values(q, k, v, (kbar, kgroup), rest_k, (r_den, w, vsum, n_rest), spec, (m, rho))
     den = e.sum(-1, keepdim=True) + r_den
-    return (num / torch.where(den > 0, den, torch.ones_like(den))).to(out_dtype)
+    return ((e @ v + r_num) / torch.where(den > 0, den, torch.ones_like(den))).to(out_dtype)

@@ -24,18 +24,49 @@ matmuls; the rest costs ``O(N M / block)``. The reference is
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["RESTS", "PIECEWISE_BLOCK", "pool_blocks", "select_key_blocks", "piecewise_attention",
+__all__ = ["RESTS", "ORDERS", "PIECEWISE_BLOCK", "PiecewiseSpec", "similarity_groups", "similarity_order", "token_groups",
+           "pool_blocks", "select_key_blocks", "piecewise_attention",
            "piecewise_exact_terms", "piecewise_rest_terms", "merge_terms", "psi_unit"]
 
 #: How the keys outside the chosen blocks are approximated.
 RESTS = ("blockmean", "latte")
 #: Tokens per block (queries and keys).
 PIECEWISE_BLOCK = 64
+#: How tokens form blocks: ``tokens``, consecutive tokens (PISA's blocks); ``similarity``, similar
+#: tokens (balanced bisection along principal directions, per input: :func:`similarity_order`),
+#: so that a block's mean stands for its members when attention is sharp.
+ORDERS = ("tokens", "similarity")
+
+
+@dataclass(frozen=True)
+class PiecewiseSpec:
+    """The knobs of one piecewise layer.
+
+    Attributes:
+        top: exact key blocks per query block (capped at the number of key blocks).
+        gamma: the mass scale of the approximated blocks. rest: one of :data:`RESTS`.
+        block: tokens per block (about that many with ``order='similarity'``). order: one of :data:`ORDERS`.
+    """
+
+    top: int
+    gamma: float = 1.0
+    rest: str = "blockmean"
+    block: int = PIECEWISE_BLOCK
+    order: str = "tokens"
+
+    def __post_init__(self) -> None:
+        if int(self.top) < 1 or int(self.block) < 1:
+            raise ValueError(f"piecewise top and block must be >= 1, got top={self.top}, block={self.block}")
+        if self.rest not in RESTS:
+            raise ValueError(f"unknown piecewise rest {self.rest!r}; choose one of {', '.join(RESTS)}")
+        if self.order not in ORDERS:
+            raise ValueError(f"unknown piecewise order {self.order!r}; choose one of {', '.join(ORDERS)}")
 
 _EPS = 1e-6
 
@@ -56,15 +87,15 @@ def pool_blocks(x: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """Block means over the valid tokens.
 
     Args:
-        x: ``(B, H, L, c)`` with ``L`` a multiple of ``block`` (padded). valid: ``(B, L)`` bool.
+        x: ``(B, H, L, c)`` with ``L`` a multiple of ``block`` (padded). valid: ``(B, H|1, L)`` bool.
 
     Returns:
-        ``(means (B, H, L / block, c), counts (B, 1, L / block))``; an empty block's mean is 0.
+        ``(means (B, H, L / block, c), counts (B, H|1, L / block))``; an empty block's mean is 0.
     """
     b, h, length, c = x.shape
-    w = valid.to(x.dtype).view(b, 1, length // block, block, 1)
+    w = valid.to(x.dtype).view(b, valid.shape[1], length // block, block, 1)
     sums = (x.view(b, h, length // block, block, c) * w).sum(dim=-2)
-    counts = w.sum(dim=(-2, -1))  # (B, 1, nb)
+    counts = w.sum(dim=(-2, -1))  # (B, H|1, nb)
     return sums / counts.clamp_min(1.0).unsqueeze(-1), counts
 
 
@@ -72,7 +103,7 @@ def select_key_blocks(q_pool: Tensor, k_pool: Tensor, k_counts: Tensor, top: int
     """The ``top`` key blocks of highest pooled score for each pooled query (empty blocks last).
 
     Args:
-        q_pool: ``(B, H, P, d)`` pooled queries; k_pool: ``(B, H, nK, d)``; k_counts: ``(B, 1, nK)``.
+        q_pool: ``(B, H, P, d)`` pooled queries; k_pool: ``(B, H, nK, d)``; k_counts: ``(B, H|1, nK)``.
         top: blocks kept, <= nK.
 
     Returns:
@@ -99,7 +130,7 @@ def piecewise_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, id
 
     Args:
         qb: ``(B, H, nQ, block, d)``; kb: ``(B, H, nK, block, d)``; vb: ``(B, H, nK, block, d_v)``;
-        validb: ``(B, 1, nK, block)`` bool; idx: ``(B, H, nQ, t)``.
+        validb: ``(B, H|1, nK, block)`` bool; idx: ``(B, H, nQ, t)``.
 
     Returns:
         ``(num (B, H, nQ, block, d_v), den (..., block), row max (..., block))``; a row with no
@@ -116,23 +147,22 @@ def piecewise_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, id
     return e @ vs, e.sum(dim=-1), mx
 
 
-def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: Tensor, rest: str,
-                         m: Tensor | float, rho: Tensor | float, gamma: Tensor | float
-                         ) -> tuple[Tensor, Tensor, Tensor]:
+def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: Tensor, spec: PiecewiseSpec,
+                         m: Tensor | float, rho: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
     """The approximation of the keys outside the chosen blocks, relative to its own row maximum.
 
     Args:
         q: ``(B, H, nQ, block, d)``; kb, vb, validb, idx: as in :func:`piecewise_exact_terms`.
-        rest: one of :data:`RESTS`. m, rho: LATTE's scalars (``rest='latte'``), per head
-            ``(H, 1, 1)`` or scalars. gamma: the mass scale.
+        spec: the layer's knobs (``rest``, ``gamma``). m, rho: LATTE's scalars (``rest='latte'``),
+            per head ``(H, 1, 1)`` or scalars.
 
     Returns:
         ``(num (B, H, nQ, block, d_v), den (..., block), row max (..., block))``.
     """
     b, h, nq, block, d = q.shape
     nk = kb.shape[2]
-    w_valid = validb.to(q.dtype).unsqueeze(-1)  # (B, 1, nK, block, 1)
-    counts = w_valid.sum(dim=(-2, -1))  # (B, 1, nK)
+    w_valid = validb.to(q.dtype).unsqueeze(-1)  # (B, H|1, nK, block, 1)
+    counts = w_valid.sum(dim=(-2, -1))  # (B, H|1, nK)
     kbar = (kb * w_valid).sum(dim=-2) / counts.clamp_min(1.0).unsqueeze(-1)  # (B, H, nK, d)
     chosen = torch.zeros(b, h, nq, nk, dtype=q.dtype, device=q.device).scatter(-1, idx, 1.0) > 0
     restb = ~chosen & (counts > 0).unsqueeze(-2)  # (B, H, nQ, nK)
@@ -140,7 +170,7 @@ def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx:
     y = y.masked_fill(~restb.unsqueeze(-2), float("-inf"))
     mx = y.amax(dim=-1)
     w = torch.exp(y - torch.where(torch.isinf(mx), torch.zeros_like(mx), mx).unsqueeze(-1))
-    gamma = torch.as_tensor(gamma, dtype=q.dtype, device=q.device)
+    rest, gamma = spec.rest, torch.as_tensor(spec.gamma, dtype=q.dtype, device=q.device)
     den = gamma * (w @ counts.unsqueeze(-1).unsqueeze(2)).squeeze(-1)  # (B, H, nQ, block)
     n_rest = (restb.to(q.dtype) @ counts.unsqueeze(-1)).unsqueeze(-2)  # (B, H, nQ, 1, 1)
     va = vb * w_valid
@@ -181,31 +211,105 @@ def merge_terms(exact: tuple[Tensor, Tensor, Tensor], rest: tuple[Tensor, Tensor
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
-def _blocked(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], block: int, acc: torch.dtype):
-    """Padded, blocked copies in ``acc``: ``qb (B, H, nQ, block, d)``, ``kb``, ``vb``, ``validb (B, 1, nK, block)``,
-    and the pooled queries ``(B, H, nQ, d)``."""
+def similarity_groups(length: int, block: int, order: str) -> tuple[int, int]:
+    """``(groups, tokens per group)`` of ``length`` tokens: contiguous blocks of ``block`` (``tokens``),
+    or a power-of-two number of groups of about ``block`` (``similarity``: what bisection splits)."""
+    if order == "tokens":
+        return -(-length // block), block
+    groups = 1 << max(0, round(math.log2(max(length / block, 1.0))))
+    return groups, -(-length // groups)
+
+
+def similarity_order(x: Tensor, valid: Tensor, groups: int, iters: int = 4) -> Tensor:
+    """A permutation that puts similar tokens together: ``log2(groups)`` rounds of bisection, each
+    group split at the median of its projection on its principal direction (power iteration from
+    a fixed start: deterministic), invalid tokens last. Balanced: every group gets the same number
+    of slots.
+
+    Args:
+        x: ``(B, H, L, d)`` with ``L`` a multiple of ``groups``; valid: ``(B, H|1, L)`` bool.
+
+    Returns:
+        ``(B, H, L)`` int64: sorted position -> original position.
+    """
+    b, h, length, d = x.shape
+    valid = valid.expand(b, h, length)
+    perm = torch.arange(length, device=x.device).expand(b, h, length)
+    start = (1.0 + torch.arange(d, device=x.device, dtype=x.dtype) / d).view(1, 1, 1, d, 1)
+    g = 1
+    while g < groups:
+        xs = torch.gather(x, 2, perm.unsqueeze(-1).expand(b, h, length, d)).view(b, h, g, length // g, d)
+        ok = torch.gather(valid, 2, perm).view(b, h, g, length // g, 1).to(x.dtype)
+        mean = (xs * ok).sum(-2, keepdim=True) / ok.sum(-2, keepdim=True).clamp_min(1.0)
+        c = (xs - mean) * ok
+        vec = start.expand(b, h, g, d, 1)
+        for _ in range(iters):
+            vec = c.transpose(-1, -2) @ (c @ vec)
+            vec = vec / torch.linalg.vector_norm(vec, dim=-2, keepdim=True).clamp_min(1e-30)
+        proj = (c @ vec).squeeze(-1).masked_fill(ok.squeeze(-1) == 0, float("inf"))
+        order = torch.topk(proj, proj.shape[-1], dim=-1, largest=False).indices  # an ascending sort (ONNX TopK)
+        perm = torch.gather(perm.reshape(b, h, g, length // g), 3, order).reshape(b, h, length)
+        g *= 2
+    return perm
+
+
+def token_groups(x: Tensor, valid: Optional[Tensor], block: int, order: str) -> tuple[Tensor, int]:
+    """The block of every token, as the fast path forms them: ``((B, H, L) int64, number of blocks)``.
+
+    Args:
+        x: ``(B, H, L, d)``; valid: ``(B, L)`` bool or ``None`` (all valid); block, order: as in
+            :func:`piecewise_attention`.
+    """
+    b, h, length, _ = x.shape
+    groups, size = similarity_groups(length, block, order)
+    if order == "tokens":
+        return (torch.arange(length, device=x.device) // block).expand(b, h, length), groups
+    ok = torch.ones(b, length, dtype=torch.bool, device=x.device) if valid is None else valid
+    ok = torch.nn.functional.pad(ok, (0, groups * size - length)).unsqueeze(1)
+    perm = similarity_order(_pad(x, groups * size), ok, groups)
+    slot = (torch.arange(groups * size, device=x.device) // size).expand_as(perm)
+    return torch.empty_like(perm).scatter_(2, perm, slot)[..., :length], groups
+
+
+def _take(x: Tensor, perm: Tensor) -> Tensor:
+    """``x`` ``(B, H, L, c)`` at ``perm`` ``(B, H, L)`` along the tokens."""
+    return torch.gather(x, 2, perm.unsqueeze(-1).expand(*perm.shape, x.shape[-1]))
+
+
+def _blocked(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], block: int, acc: torch.dtype,
+             order: str = "tokens"):
+    """Padded, blocked copies in ``acc``: ``qb (B, H, nQ, S, d)``, ``kb``, ``vb``, ``validb (B, H|1, nK, S)``,
+    the pooled queries ``(B, H, nQ, d)`` and the queries' permutation (``None`` in token order)."""
     b, h, n, d = q.shape
     mlen = k.shape[-2]
-    nq, nk = -(-n // block), -(-mlen // block)
-    qp, kp, vp = _pad(q.to(acc), nq * block), _pad(k.to(acc), nk * block), _pad(v.to(acc), nk * block)
+    nq, sq = similarity_groups(n, block, order)
+    nk, sk = similarity_groups(mlen, block, order)
+    qp, kp, vp = _pad(q.to(acc), nq * sq), _pad(k.to(acc), nk * sk), _pad(v.to(acc), nk * sk)
     valid_k = torch.ones(b, mlen, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
-    valid_k = torch.nn.functional.pad(valid_k, (0, nk * block - mlen))
-    valid_q = torch.nn.functional.pad(torch.ones(b, n, dtype=torch.bool, device=q.device), (0, nq * block - n))
-    q_pool, _ = pool_blocks(qp, valid_q, block)
-    return (qp.view(b, h, nq, block, d), kp.view(b, h, nk, block, d), vp.view(b, h, nk, block, -1),
-            valid_k.view(b, 1, nk, block), q_pool)
+    valid_k = torch.nn.functional.pad(valid_k, (0, nk * sk - mlen)).unsqueeze(1)  # (B, 1, Mp)
+    valid_q = torch.nn.functional.pad(torch.ones(b, n, dtype=torch.bool, device=q.device), (0, nq * sq - n))
+    valid_q = valid_q.unsqueeze(1)
+    qperm = None
+    if order == "similarity":
+        qperm, kperm = similarity_order(qp, valid_q, nq), similarity_order(kp, valid_k, nk)
+        qp, kp, vp = _take(qp, qperm), _take(kp, kperm), _take(vp, kperm)
+        valid_q = torch.gather(valid_q.expand(b, h, -1), 2, qperm)
+        valid_k = torch.gather(valid_k.expand(b, h, -1), 2, kperm)
+    q_pool, _ = pool_blocks(qp, valid_q, sq)
+    return (qp.view(b, h, nq, sq, d), kp.view(b, h, nk, sk, d), vp.view(b, h, nk, sk, -1),
+            valid_k.view(b, valid_k.shape[1], nk, sk), q_pool, qperm)
 
 
-def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, top: int, m: Tensor | float = 1.0, rho: Tensor | float = 1.0,
-                        gamma: Tensor | float = 1.0, key_padding_mask: Optional[Tensor] = None,
-                        rest: str = "blockmean", block: int = PIECEWISE_BLOCK, backend: str = "eager") -> Tensor:
+def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec: PiecewiseSpec, m: Tensor | float = 1.0,
+                        rho: Tensor | float = 1.0, key_padding_mask: Optional[Tensor] = None,
+                        backend: str = "eager") -> Tensor:
     """Piecewise attention, the fast path (module docstring).
 
     Args:
         q: ``(B, H, N, d)``; k: ``(B, H, M, d)``; v: ``(B, H, M, d_v)``.
-        top: exact key blocks per query block (capped at the number of key blocks).
-        m, rho: LATTE's scalars for ``rest='latte'`` (scalars or ``(H, 1, 1)``). gamma: the mass scale.
-        key_padding_mask: ``(B, M)``, ``True`` = padded. rest: one of :data:`RESTS`. block: tokens per block.
+        spec: the knobs (:class:`PiecewiseSpec`).
+        m, rho: LATTE's scalars for ``rest='latte'`` (scalars or ``(H, 1, 1)``).
+        key_padding_mask: ``(B, M)``, ``True`` = padded.
         backend: ``eager``, or ``triton`` for the exact part through :mod:`.triton_piecewise` (where it
             takes the block size and head dims; else eager).
 
@@ -214,15 +318,18 @@ def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, top: int, m: Tensor | f
     """
     b, h, n, d = q.shape
     acc = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
-    qb, kb, vb, validb, q_pool = _blocked(q, k, v, key_padding_mask, block, acc)
-    k_pool, k_counts = pool_blocks(kb.flatten(2, 3), validb.flatten(1, 3), block)
-    idx = select_key_blocks(q_pool, k_pool, k_counts, min(int(top), kb.shape[2]))
+    qb, kb, vb, validb, q_pool, qperm = _blocked(q, k, v, key_padding_mask, spec.block, acc, spec.order)
+    k_pool, k_counts = pool_blocks(kb.flatten(2, 3), validb.flatten(2, 3), kb.shape[3])
+    idx = select_key_blocks(q_pool, k_pool, k_counts, min(int(spec.top), kb.shape[2]))
     from . import triton_piecewise
 
-    if backend == "triton" and triton_piecewise.supported(block, d, v.shape[-1]):
-        rest_terms = piecewise_rest_terms(qb, kb, vb, validb, idx, rest, m, rho, gamma)
+    if backend == "triton" and triton_piecewise.supported(qb.shape[3], kb.shape[3], d, v.shape[-1]):
+        rest_terms = piecewise_rest_terms(qb, kb, vb, validb, idx, spec, m, rho)
         out = triton_piecewise.exact_and_merge(qb, kb, vb, validb, idx, rest_terms)
     else:
         out = merge_terms(piecewise_exact_terms(qb, kb, vb, validb, idx),
-                          piecewise_rest_terms(qb, kb, vb, validb, idx, rest, m, rho, gamma))
-    return out.flatten(2, 3)[:, :, :n].to(v.dtype)
+                          piecewise_rest_terms(qb, kb, vb, validb, idx, spec, m, rho))
+    out = out.flatten(2, 3)
+    if qperm is not None:  # back to the token order
+        out = torch.empty_like(out).scatter_(2, qperm.unsqueeze(-1).expand_as(out), out)
+    return out[:, :, :n].to(v.dtype)

@@ -33,9 +33,9 @@ def _pow2(x: int) -> bool:
     return 16 <= x <= 128 and x & (x - 1) == 0
 
 
-def supported(block: int, d: int, dv: int) -> bool:
-    """Whether the kernel takes this block size and these head dims."""
-    return available() and _pow2(block) and _pow2(d) and _pow2(dv)
+def supported(query_block: int, key_block: int, d: int, dv: int) -> bool:
+    """Whether the kernel takes these block sizes (one power of two) and head dims."""
+    return available() and query_block == key_block and _pow2(key_block) and _pow2(d) and _pow2(dv)
 
 
 if triton is not None:
@@ -45,7 +45,6 @@ if triton is not None:
                           BLOCK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr):
         bh = tl.program_id(0)
         qi = tl.program_id(1)
-        b = bh // n_heads
         rows = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, DV)
@@ -59,7 +58,7 @@ if triton is not None:
             kbase = (bh * n_kblocks + j) * BLOCK
             k = tl.load(K + (kbase + rows)[:, None] * D + offs_d[None, :])
             v = tl.load(V + (kbase + rows)[:, None] * DV + offs_dv[None, :])
-            ok = tl.load(VALID + (b * n_kblocks + j) * BLOCK + rows) != 0
+            ok = tl.load(VALID + (bh * n_kblocks + j) * BLOCK + rows) != 0
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             s = tl.where(ok[None, :], s, float("-inf"))
             new = tl.maximum(mx, tl.max(s, axis=1))
@@ -89,19 +88,19 @@ def exact_and_merge(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: Ten
 
     Args:
         qb: ``(B, H, nQ, block, d)``; kb: ``(B, H, nK, block, d)``; vb: ``(B, H, nK, block, d_v)``, float32;
-        validb: ``(B, 1, nK, block)`` bool; idx: ``(B, H, nQ, t)``; rest: ``(num, den, row max)``.
+        validb: ``(B, H|1, nK, block)`` bool; idx: ``(B, H, nQ, t)``; rest: ``(num, den, row max)``.
 
     Returns:
         ``(B, H, nQ, block, d_v)`` float32, as ``merge_terms(piecewise_exact_terms(...), rest)``.
     """
     b, h, nq, block, d = qb.shape
     nk, dv, top = kb.shape[2], vb.shape[-1], idx.shape[-1]
-    if not supported(block, d, dv):
+    if not supported(block, kb.shape[3], d, dv):
         raise ValueError(f"the Triton piecewise kernel takes power-of-two block sizes and head dims 16..128; got "
                          f"block={block}, d={d}, d_v={dv}")
     f32 = [x.float().contiguous() for x in (qb, kb, vb, *rest)]
     out = torch.empty(b, h, nq, block, dv, dtype=torch.float32, device=qb.device)
-    valid = validb.to(torch.int8).reshape(b, nk, block).contiguous()
+    valid = validb.to(torch.int8).expand(b, h, nk, block).reshape(b * h, nk, block).contiguous()
     _piecewise_kernel[(b * h, nq)](f32[0], f32[1], f32[2], valid, idx.to(torch.int32).contiguous(), f32[3], f32[4],
                                    f32[5], out, nq, nk, h, top, 1.0 / math.sqrt(d), BLOCK=block, D=d, DV=dv)
     return out
