@@ -68,7 +68,7 @@ class FitOptions:
     kernel: str = "latte"
     piecewise_top: Optional[int] = None
     piecewise_block: int = 64
-    piecewise_rest: str = "blockmean"
+    piecewise_rest: str = "latte"
     piecewise_order: str = "similarity"
 
     def __post_init__(self) -> None:
