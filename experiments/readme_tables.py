@@ -20,6 +20,8 @@ import re
 import sys
 from typing import Callable
 
+from experiments.readme_tables_piecewise import TABLES as PIECEWISE_TABLES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
 README = os.path.join(ROOT, "README.md")
@@ -382,6 +384,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "choices:deimv2_vit": lambda: choices_table("deimv2_vit"),
     "example_hf_vit": example_output,
 }
+TABLES.update(PIECEWISE_TABLES)
 
 
 def render(text: str) -> str:

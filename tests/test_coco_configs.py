@@ -254,9 +254,9 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, 
                  "model.latte.num_images=2", "model.latte.steps=1",
                  "model.latte.greedy_images=1", "model.calibration_loader.num_workers=0",
                  "dataloader.test.num_workers=0", f"train.output_dir={tmp_path / 'out'}", "train.device=cpu"]
-    if name.startswith("detr"):
+    if name.startswith("detr"):  # its linear layers on the piecewise kernel (25 encoder tokens: blocks of 13)
         cfg = tiny_detr_checkpoint(tmp_path)
-        overrides.append(f"train.init_checkpoint={cfg}")
+        overrides += [f"train.init_checkpoint={cfg}", "model.latte.kernel=piecewise", "model.latte.piecewise_block=16"]
     else:
         overrides.append(f"model.pretrained={rtdetr_r50vd_dir[0]}")
     env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONWARNINGS="ignore")
@@ -266,6 +266,8 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, 
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "copypaste: AP,AP50" in text and "calibrating the LATTE layers" in text, text[-3000:]
+    if name.startswith("detr"):
+        assert "piecewise top" in text, text[-3000:]  # the fit log names each piecewise layer's knobs
 
 
 def tiny_detr_checkpoint(tmp_path) -> str:

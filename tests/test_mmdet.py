@@ -154,15 +154,21 @@ def test_never_calibrate_without_latte_state_is_a_clear_error(synthetic_data, tm
 
 
 def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
-    """mmdet's own tools/test.py on the calibrated checkpoint prints the linearized bbox_mAP."""
+    """mmdet's own tools/test.py on the calibrated checkpoint prints the linearized bbox_mAP; the
+    linear layers run the piecewise kernel (blocks of 4 of the encoder's 16 tokens), whose knobs
+    the checkpoint carries (the Runner reload test covers LATTE layers)."""
     import mmdet
 
     from latte_plugin.mmdet.workflow import run_calibration
 
-    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20, **PAPER)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20, kernel="piecewise",
+                   piecewise_block=4, **PAPER)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"), evaluate=True)
+    state = torch.load(report["paths"]["checkpoint"], weights_only=True)["state_dict"]
+    for name in report["linearized"]:
+        assert int(state[f"{name}.attn.latte.kernel_id"]) == 1 and int(state[f"{name}.attn.latte.piecewise_top"]) >= 1
     test_py = os.path.join(os.path.dirname(mmdet.__file__), ".mim", "tools", "test.py")
     env = dict(os.environ)
     out = subprocess.run([sys.executable, test_py, str(cfg_path), report["paths"]["checkpoint"],

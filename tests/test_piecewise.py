@@ -62,6 +62,18 @@ def test_similarity_blocks_are_balanced_and_group_similar_tokens():
     assert torch.bincount(groups.flatten()).tolist() == [16] * 4
 
 
+def test_a_key_far_above_the_chosen_blocks_leaves_every_path_finite():
+    """A key whose block mean scores low but which scores ~400 against the query: not chosen, it
+    enters only through its block's mean; float32 exp of its raw score would overflow."""
+    q, k, v = qkv(b=1, h=1, n=16, m=64, d=16)
+    k[0, 0, :16] = -q[0, 0, 0] * 3  # block 0's mean points away from the queries...
+    k[0, 0, 5] = q[0, 0, 0] * 60  # ...but one of its keys scores far above everything else
+    spec = ops.PiecewiseSpec(1, 1.0, "latte", 16, "tokens")
+    ref = ops.naive_piecewise_attention(q, k, v, spec, 0.8, 1e6)
+    assert bool(torch.isfinite(ref).all())
+    torch.testing.assert_close(ops.piecewise_attention(q, k, v, spec, 0.8, 1e6), ref, atol=F32, rtol=F32)
+
+
 def test_block_choice_is_the_plain_top_k_of_the_block_means():
     q, k, _ = qkv(b=1, h=2, n=50, m=90, d=16, scale=2.0)
     kpm = _mask(1, 90, 75)  # the last key block (80..89) is all padding: never chosen before a real one

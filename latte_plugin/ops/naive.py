@@ -160,7 +160,9 @@ def naive_piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec, m: Tensor |
     x, y = (q @ k.transpose(-1, -2)) / math.sqrt(d), (q @ kbar.transpose(-1, -2)) / math.sqrt(d)
     mx = torch.maximum(x.masked_fill(~chosen_k, float("-inf")).amax(-1), y.masked_fill(~rest_b, float("-inf")).amax(-1))
     mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx).unsqueeze(-1)
-    e, w = torch.exp(x - mx) * chosen_k, torch.exp(y - mx) * rest_b
+    # masked before exp: a key outside the chosen blocks may score far above mx (exp would overflow)
+    e = torch.exp((x - mx).masked_fill(~chosen_k, float("-inf")))
+    w = torch.exp((y - mx).masked_fill(~rest_b, float("-inf")))
     r_den = spec.gamma * (w * counts.unsqueeze(-2)).sum(-1, keepdim=True)
     n_rest = (rest_b * counts.unsqueeze(-2)).sum(-1, keepdim=True)
     r_num = _naive_rest_values(q, k, v, (kbar, kgroup), rest_k, (r_den, w, vsum, n_rest), spec, (m, rho))

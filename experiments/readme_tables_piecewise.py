@@ -1,0 +1,108 @@
+"""The piecewise kernel's tables (``docs/method.md#piecewise``), registered in
+:data:`experiments.readme_tables.TABLES`: per-layer errors, the ViT detector with its ViT blocks
+non-exact on three splits, the main jobs with ``kernel=auto``, and attention speed."""
+from __future__ import annotations
+
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VIT_SPLITS = {"main": "piecewise_vit6.json", "seed 1111": "piecewise_vit6_seed1111.json",
+              "seed 1212": "piecewise_vit6_seed1212.json"}
+ROW_NAMES = {"exact": "exact", "ours:auto": "LATTE (the defaults)", "ours:kernel=piecewise": "piecewise",
+             "ours:kernel=auto": "auto (per layer)"}
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(ROOT, "results", name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def layers_table() -> str:
+    """results/piecewise_layers_deimv2_vit.json: held-out relative error per ViT block."""
+    res = _load("piecewise_layers_deimv2_vit.json")
+    tokens, similar = res["orders"]["tokens"], res["orders"]["similarity"]
+    tops = list(next(iter(similar.values()))["piecewise"]["latte"])
+    rows = []
+    for name, row in similar.items():
+        t4 = tokens[name]["piecewise"]
+        rows.append([name.split(".")[-2], row["tokens"], f"{row['latte']:.3f}",
+                     f"{t4['blockmean']['4']['heldout']:.3f} / {t4['latte']['4']['heldout']:.3f}",
+                     f"{row['piecewise']['blockmean']['4']['heldout']:.3f}",
+                     *(f"{row['piecewise']['latte'][t]['heldout']:.3f}" for t in tops)])
+    head = ["ViT block", "tokens", "LATTE", "consecutive blocks @4: blockmean / latte rest", "similar blocks @4: blockmean rest",
+            *(f"similar blocks, latte rest @{t}" for t in tops)]
+    return (_table(head, rows) + f"\n\nRelative MSE of the attention output (no output correction; exact = 0) on "
+            f"{res['measure_images']} train images that fitted nothing ({res['fit_images']} others fitted LATTE's "
+            f"scalars and each gamma); blocks of {res['block']} tokens, `@t` = exact key blocks per query block. "
+            f"`{res['command']}` ({res['seconds'] / 60:.1f} min).")
+
+
+def _kernels(res: dict, row: str) -> str:
+    layers = (res.get("choices", {}).get(row) or {}).get("layers", {})
+    linear = set(res["rows"][row]["linearized"])
+    kinds = [(f["kernel"] or {}) for n, f in layers.items() if n in linear]
+    if not kinds or not any(kinds):
+        return "latte" if row != "exact" else "-"
+    return ", ".join("latte" if k.get("kernel") != "piecewise" else f"@{k['top']}" for k in kinds)
+
+
+def vit_table() -> str:
+    """results/piecewise_vit6*.json: the ViT detector with its 6 ViT blocks non-exact, per split."""
+    rows, commands = [], []
+    for split, name in VIT_SPLITS.items():
+        if not os.path.isfile(os.path.join(ROOT, "results", name)):
+            continue
+        res = _load(name)
+        commands.append(f"`{res['command']}`")
+        for row, m in res["metrics"].items():
+            if row not in ROW_NAMES:
+                continue
+            kept = "" if m.get("retained") is None else f"{100 * m['retained']:.1f}"
+            ratio = m.get("encoder_latency_ratio")
+            rows.append([split, ROW_NAMES[row], f"{m['bbox_mAP']:.3f}", kept, f"{m['attention_gflops']:.3f}",
+                         "" if ratio is None else f"{ratio:.2f}", _kernels(res, row)])
+    head = ["split", "ViT blocks", "bbox mAP", "% kept", "attn GFLOPs", "backbone+encoder+decoder time / exact",
+            "kernel per ViT block (@t: piecewise, t exact key blocks)"]
+    return _table(head, rows) + "\n\n" + "; ".join(commands) + "."
+
+
+def attention_speed_table() -> str:
+    """results/attention_piecewise_cpu.json: SDPA, LATTE and the piecewise kernel side by side."""
+    res = _load("attention_piecewise_cpu.json")
+    tops = sorted({k.split("@")[1][:-3] for r in res["rows"] for k in r if k.startswith("piecewise@") and k.endswith("_ms")},
+                  key=int)
+    rows = [[r["dtype"], f"{r['n']:,}", f"{r['sdpa_ms']:.2f}", f"{r['latte_ms']:.2f} ({r['speedup_vs_sdpa']:.1f}x)",
+             *(f"{r[f'piecewise@{t}_ms']:.2f} ({r[f'speedup_piecewise@{t}_vs_sdpa']:.1f}x)" for t in tops),
+             f"{r['memcpy_ms']:.3f}"] for r in res["rows"]]
+    head = ["dtype", "tokens", "SDPA ms", "LATTE ms (vs SDPA)", *(f"piecewise @{t} ms (vs SDPA)" for t in tops),
+            "memcpy of q, k, v, o ms"]
+    return (_table(head, rows) + f"\n\nBatch 1, {res['heads']} heads of {res['head_dim']}, {res['threads']} CPU "
+            f"threads, best of 5; piecewise: {res['piecewise_order']} blocks, {res['piecewise_rest']} rest. "
+            f"`{res['command']}`.")
+
+
+def kernel_auto_table() -> str:
+    """results/kernel_auto_*.json: the default main-job rows against kernel=auto on the three models."""
+    rows = []
+    for model in ("cond_detr", "rtdetr", "deimv2_vit"):
+        name = f"kernel_auto_{model}.json"
+        if not os.path.isfile(os.path.join(ROOT, "results", name)):
+            continue
+        res = _load(name)
+        for row, m in res["metrics"].items():
+            if row == "linearized" or row == "exact":
+                continue
+            rows.append([model, row, m["linear"], f"{m['bbox_mAP']:.3f}", f"{100 * m['retained']:.1f}",
+                         f"{m['attention_gflops']:.3f}", _kernels(res, row)])
+    head = ["model", "row", "linear", "bbox mAP", "% kept", "attn GFLOPs", "kernel per linear layer"]
+    return _table(head, rows)
+
+
+TABLES = {"piecewise_layers": layers_table, "piecewise_vit": vit_table, "attention_piecewise": attention_speed_table,
+          "kernel_auto": kernel_auto_table}
