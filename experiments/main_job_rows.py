@@ -260,7 +260,10 @@ def add_gflops_and_kept(results: dict, reports: dict, rows: list, model) -> None
     for row in rows:
         r = results[row.name]
         mode = "uniform" if row.kind == "uniform" else "linear"
-        r["attention_gflops"] = attention_gflops(pairs, layers, r["linearized"], mode) if shapes else float("nan")
+        if row.name in reports:  # counted when the row was calibrated: each layer with its own kernel
+            r["attention_gflops"] = reports[row.name]["attention_gflops"]["linearized"]
+        else:
+            r["attention_gflops"] = attention_gflops(pairs, layers, r["linearized"], mode) if shapes else float("nan")
         r["retained"] = r["bbox_mAP"] / exact_map if exact_map and exact_map > 0 else float("nan")
         weakest = [signal[n] for n in r["linearized"] if n in signal]
         r["weakest_signal"] = min(weakest) if weakest else None

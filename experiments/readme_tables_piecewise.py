@@ -67,9 +67,28 @@ def vit_table() -> str:
             ratio = m.get("encoder_latency_ratio")
             rows.append([split, ROW_NAMES[row], f"{m['bbox_mAP']:.3f}", kept, f"{m['attention_gflops']:.3f}",
                          "" if ratio is None else f"{ratio:.2f}", _kernels(res, row)])
-    head = ["split", "ViT blocks", "bbox mAP", "% kept", "attn GFLOPs", "backbone+encoder+decoder time / exact",
+    head = ["split", "ViT blocks", "bbox mAP", "% kept", "attn GFLOPs", "ViT backbone speed-up vs exact",
             "kernel per ViT block (@t: piecewise, t exact key blocks)"]
     return _table(head, rows) + "\n\n" + "; ".join(commands) + "."
+
+
+def vit_summary_table() -> str:
+    """The README's view of :func:`vit_table`: one line per split."""
+    rows, commands = [], []
+    for split, name in VIT_SPLITS.items():
+        if not os.path.isfile(os.path.join(ROOT, "results", name)):
+            continue
+        res = _load(name)
+        commands.append(f"`{res['command']}`")
+        m = res["metrics"]
+        cell = lambda r: f"{m[r]['bbox_mAP']:.3f} ({100 * m[r]['retained']:.1f}%)"  # noqa: E731
+        time = " / ".join(f"{m[r]['encoder_latency_ratio']:.2f}" for r in ("ours:auto", "ours:kernel=piecewise",
+                                                                           "ours:kernel=auto"))
+        rows.append([split, f"{m['exact']['bbox_mAP']:.3f}", cell("ours:auto"), cell("ours:kernel=piecewise"),
+                     cell("ours:kernel=auto"), _kernels(res, "ours:kernel=piecewise"), time])
+    head = ["split", "exact mAP", "LATTE mAP (kept)", "piecewise", "auto (per layer)",
+            "exact key blocks per ViT block (of 16)", "ViT backbone speed-up vs exact (LATTE / piecewise / auto)"]
+    return _table(head, rows) + "\n\nAll rows: [docs/results.md](docs/results.md#piecewise). " + "; ".join(commands) + "."
 
 
 def attention_speed_table() -> str:
@@ -104,5 +123,5 @@ def kernel_auto_table() -> str:
     return _table(head, rows)
 
 
-TABLES = {"piecewise_layers": layers_table, "piecewise_vit": vit_table, "attention_piecewise": attention_speed_table,
+TABLES = {"piecewise_layers": layers_table, "piecewise_vit": vit_table, "piecewise_vit_summary": vit_summary_table, "attention_piecewise": attention_speed_table,
           "kernel_auto": kernel_auto_table}

@@ -240,9 +240,10 @@ def _d2_script():
 @pytest.mark.parametrize("name", ["detr_r50_latte_coco.py", "rtdetr_r50vd_latte_coco.py"])
 def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, tmp_path, name):
     """The detectron2 COCO LazyConfigs, unchanged, on the COCO-layout data through detectron2's
-    builtin ``coco_2017_*`` datasets (``DETECTRON2_DATASETS``): instantiated, calibrated on 2 train
-    images at the first evaluation forward, and evaluated by COCOEvaluator in detectron2's own
-    ``lazyconfig_train_net.py --eval-only`` (where LATTE_DETECTRON2_SRC gives the script)."""
+    builtin ``coco_2017_*`` datasets (``DETECTRON2_DATASETS``), evaluated by COCOEvaluator in
+    detectron2's own ``lazyconfig_train_net.py --eval-only`` (where LATTE_DETECTRON2_SRC gives the
+    script): RT-DETR calibrated on 2 train images at the first evaluation forward; DETR-R50 from a
+    checkpoint tools/calibrate.py calibrated with the piecewise kernel, reproducing its AP."""
     require("detectron2")
     script = _d2_script()
     if script is None:
@@ -254,20 +255,34 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, 
                  "model.latte.num_images=2", "model.latte.steps=1",
                  "model.latte.greedy_images=1", "model.calibration_loader.num_workers=0",
                  "dataloader.test.num_workers=0", f"train.output_dir={tmp_path / 'out'}", "train.device=cpu"]
-    if name.startswith("detr"):  # its linear layers on the piecewise kernel (25 encoder tokens: blocks of 13)
-        cfg = tiny_detr_checkpoint(tmp_path)
-        overrides += [f"train.init_checkpoint={cfg}", "model.latte.kernel=piecewise", "model.latte.piecewise_block=16"]
+    env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONWARNINGS="ignore")
+    config = os.path.join(ROOT, "configs", "detectron2", name)
+    report = None
+    if name.startswith("detr"):
+        # calibrated first by tools/calibrate.py with the piecewise kernel (25 encoder tokens: 2 blocks
+        # of 13), then loaded by the script: it must not recalibrate, and gives the tool's linearized AP
+        work = tmp_path / "cal"
+        cal = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "calibrate.py"), config, "--checkpoint",
+                              tiny_detr_checkpoint(tmp_path), "--work-dir", str(work), "--eval", *FAST, "--kernel",
+                              "piecewise", "--piecewise-block", "16", "--cfg-options", *overrides],
+                             capture_output=True, text=True, env=env, cwd=str(tmp_path))
+        assert cal.returncode == 0, (cal.stdout + cal.stderr)[-4000:]
+        report = json.load(open(work / "latte_report.json"))
+        assert {f["kernel"]["kernel"] for n, f in report["fit"].items() if n in report["linearized"]} == {"piecewise"}
+        overrides.append(f"train.init_checkpoint={work / 'latte_calibrated.pth'}")
     else:
         overrides.append(f"model.pretrained={rtdetr_r50vd_dir[0]}")
-    env = dict(os.environ, DETECTRON2_DATASETS=str(datasets), PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, script, "--eval-only", "--config-file",
-                          os.path.join(ROOT, "configs", "detectron2", name), *overrides],
+    out = subprocess.run([sys.executable, script, "--eval-only", "--config-file", config, *overrides],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path))
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    assert "copypaste: AP,AP50" in text and "calibrating the LATTE layers" in text, text[-3000:]
-    if name.startswith("detr"):
-        assert "piecewise top" in text, text[-3000:]  # the fit log names each piecewise layer's knobs
+    assert "copypaste: AP,AP50" in text, text[-3000:]
+    assert ("calibrating the LATTE layers" in text) == (report is None), text[-3000:]
+    if report is not None:
+        lines = text.splitlines()
+        values = lines[next(i for i, x in enumerate(lines) if "copypaste: AP,AP50" in x) + 1].split("copypaste: ")[1]
+        ap = float(values.split(",")[0]) / 100
+        assert ap == pytest.approx(report["metrics"]["linearized"]["bbox_mAP"], abs=1e-4)
 
 
 def tiny_detr_checkpoint(tmp_path) -> str:

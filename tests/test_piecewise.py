@@ -193,6 +193,8 @@ def test_calibration_chooses_the_kernel_per_layer_and_the_report_says_so():
             else:
                 assert choice["kernel"] == "piecewise" and int(layers[name].piecewise_top) == choice["top"]
     model, rep = runs["piecewise"]
+    per_layer = rep["attention_gflops"]["per_layer"]
+    assert sum(per_layer.values()) == pytest.approx(rep["attention_gflops"]["linearized"])
     assert rep["attention_gflops"]["linearized"] != rep["attention_gflops"]["exact"]
     with torch.no_grad():  # the hybrid runs, and its piecewise layers are what it runs
         assert torch.isfinite(model(batches[0])).all()

@@ -71,6 +71,9 @@ def build_report(run: CalibrationRun, share: ShareResult) -> dict:
                       "images": dict(split.counts), **image_counts(split, run.reduce)},
         "tokens": {n: shapes[n][0] for n in names},
         "attention_gflops": {"exact": attention_gflops(shapes, layers, []),
-                             "linearized": attention_gflops(shapes, layers, share.linear)},
+                             "linearized": attention_gflops(shapes, layers, share.linear),
+                             # each layer in the hybrid: exact, or linear with its kernel (LATTE or piecewise)
+                             "per_layer": {n: attention_gflops({n: shapes[n]}, layers, [n] if n in share.linear else [])
+                                           for n in names}},
         "config": cfg.to_dict(),
     }
