@@ -86,9 +86,14 @@ def vit_summary_table() -> str:
                                                                            "ours:kernel=auto"))
         rows.append([split, f"{m['exact']['bbox_mAP']:.3f}", cell("ours:auto"), cell("ours:kernel=piecewise"),
                      cell("ours:kernel=auto"), _kernels(res, "ours:kernel=piecewise"), time])
+    goal = [f"{split} {100 * _load(name)['metrics']['ours:kernel=piecewise']['retained']:.1f}%"
+            for split, name in VIT_SPLITS.items() if os.path.isfile(os.path.join(ROOT, "results", name))]
+    met = all(float(g.split()[-1][:-1]) >= 97.0 for g in goal)
     head = ["split", "exact mAP", "LATTE mAP (kept)", "piecewise", "auto (per layer)",
             "exact key blocks per ViT block (of 16)", "ViT backbone speed-up vs exact (LATTE / piecewise / auto)"]
-    return _table(head, rows) + "\n\nAll rows: [docs/results.md](docs/results.md#piecewise). " + "; ".join(commands) + "."
+    return (_table(head, rows) + f"\n\nGoal, piecewise keeps >= 97% on every split: {'met' if met else 'missed'} "
+            f"({', '.join(goal)}). Every row, the commands and the speed goals: "
+            "[docs/results.md](docs/results.md#piecewise).")
 
 
 def attention_speed_table() -> str:
@@ -103,7 +108,30 @@ def attention_speed_table() -> str:
             "memcpy of q, k, v, o ms"]
     return (_table(head, rows) + f"\n\nBatch 1, {res['heads']} heads of {res['head_dim']}, {res['threads']} CPU "
             f"threads, best of 5; piecewise: {res['piecewise_order']} blocks, {res['piecewise_rest']} rest. "
-            f"`{res['command']}`.")
+            f"`{res['command']}`.\n\n" + _speed_goals(res))
+
+
+def _speed_goals(res: dict) -> str:
+    """The speed goals (>= 3x SDPA at 1k tokens, >= 10x at 8k) at the counts the ViT's calibration chose."""
+    chosen = sorted({k["top"] for k in _chosen_kernels() if k})
+    if not chosen:
+        return ""
+    out = []
+    for n, goal in ((1024, 3.0), (8192, 10.0)):
+        for r in (r for r in res["rows"] if r["n"] == n):
+            got = [r.get(f"speedup_piecewise@{t}_vs_sdpa") for t in chosen]
+            if None in got:
+                continue
+            worst = min(got)
+            out.append(f"{r['dtype']} at {n:,} tokens: {worst:.1f}x at @{chosen[got.index(worst)]} for a goal of "
+                       f"{goal:.0f}x ({'met' if worst >= goal else 'missed'})")
+    return f"Goals at the counts the ViT's calibration chose (@{', @'.join(map(str, chosen))}): " + "; ".join(out) + "."
+
+
+def _chosen_kernels() -> list:
+    res = _load(VIT_SPLITS["main"])
+    layers = res["choices"]["ours:kernel=piecewise"]["layers"]
+    return [f.get("kernel") for f in layers.values()]
 
 
 def kernel_auto_table() -> str:

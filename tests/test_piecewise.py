@@ -72,6 +72,9 @@ def test_a_key_far_above_the_chosen_blocks_leaves_every_path_finite():
     ref = ops.naive_piecewise_attention(q, k, v, spec, 0.8, 1e6)
     assert bool(torch.isfinite(ref).all())
     torch.testing.assert_close(ops.piecewise_attention(q, k, v, spec, 0.8, 1e6), ref, atol=F32, rtol=F32)
+    # scalars as 0-d tensors (as benchmarks/attention.py passes them) broadcast the same way
+    torch.testing.assert_close(ops.piecewise_attention(q, k, v, spec, torch.tensor(0.8), torch.tensor(1e6)), ref,
+                               atol=F32, rtol=F32)
 
 
 def test_block_choice_is_the_plain_top_k_of_the_block_means():

@@ -147,6 +147,11 @@ def piecewise_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, id
     return e @ vs, e.sum(dim=-1), mx
 
 
+def _over_blocks(x: Tensor | float) -> Tensor | float:
+    """A per-head ``(H, 1, 1)`` scalar broadcast over blocked ``(B, H, nB, block, d)`` tensors."""
+    return x.unsqueeze(2) if isinstance(x, Tensor) and x.dim() == 3 else x
+
+
 def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: Tensor, spec: PiecewiseSpec,
                          m: Tensor | float, rho: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
     """The approximation of the keys outside the chosen blocks, relative to its own row maximum.
@@ -183,9 +188,9 @@ def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx:
         per_key = den.unsqueeze(-1) / n_rest.clamp_min(1.0)
         num = num + per_key * (q @ c_rest) / math.sqrt(d)
     elif rest == "latte":
-        fq = psi_unit(q, m.unsqueeze(2) if isinstance(m, Tensor) else m)
-        fq = fq * (rho.unsqueeze(2) if isinstance(rho, Tensor) else rho)
-        fk = psi_unit(kb, m.unsqueeze(2) if isinstance(m, Tensor) else m) * w_valid
+        m, rho = _over_blocks(m), _over_blocks(rho)
+        fq = psi_unit(q, m) * rho
+        fk = psi_unit(kb, m) * w_valid
         kv = fk.transpose(-1, -2) @ va  # (B, H, nK, d, d_v)
         ksum, vsum = fk.sum(dim=-2), va.sum(dim=-2)  # (B, H, nK, d), (B, H, nK, d_v)
         kv_rest = kv.sum(dim=2, keepdim=True) - _gather_blocks(kv, idx).sum(dim=3)
