@@ -92,8 +92,8 @@ def vit_summary_table() -> str:
     head = ["split", "exact mAP", "LATTE mAP (kept)", "piecewise", "auto (per layer)",
             "exact key blocks per ViT block (of 16)", "ViT backbone speed-up vs exact (LATTE / piecewise / auto)"]
     return (_table(head, rows) + f"\n\nGoal, piecewise keeps >= 97% on every split: {'met' if met else 'missed'} "
-            f"({', '.join(goal)}). Every row, the commands and the speed goals: "
-            "[docs/results.md](docs/results.md#piecewise).")
+            f"({', '.join(goal)}). Speed: " + _speed_goals(_load("attention_piecewise_cpu.json")) + " Every row, "
+            "the commands and the attention timings: [docs/results.md](docs/results.md#piecewise).")
 
 
 def attention_speed_table() -> str:
@@ -107,7 +107,7 @@ def attention_speed_table() -> str:
     head = ["dtype", "tokens", "SDPA ms", "LATTE ms (vs SDPA)", *(f"piecewise @{t} ms (vs SDPA)" for t in tops),
             "memcpy of q, k, v, o ms"]
     return (_table(head, rows) + f"\n\nBatch 1, {res['heads']} heads of {res['head_dim']}, {res['threads']} CPU "
-            f"threads, best of 5; piecewise: {res['piecewise_order']} blocks, {res['piecewise_rest']} rest. "
+            f"threads, best of the timed repetitions; piecewise: {res['piecewise_order']} blocks, {res['piecewise_rest']} rest. "
             f"`{res['command']}`.\n\n" + _speed_goals(res))
 
 
@@ -125,7 +125,8 @@ def _speed_goals(res: dict) -> str:
             worst = min(got)
             out.append(f"{r['dtype']} at {n:,} tokens: {worst:.1f}x at @{chosen[got.index(worst)]} for a goal of "
                        f"{goal:.0f}x ({'met' if worst >= goal else 'missed'})")
-    return f"Goals at the counts the ViT's calibration chose (@{', @'.join(map(str, chosen))}): " + "; ".join(out) + "."
+    return (f"the piecewise layer against SDPA at the counts the ViT's calibration chose (@{', @'.join(map(str, chosen))}): "
+            + "; ".join(out) + ".")
 
 
 def _chosen_kernels() -> list:
