@@ -154,3 +154,18 @@ def kernel_auto_table() -> str:
 
 TABLES = {"piecewise_layers": layers_table, "piecewise_vit": vit_table, "piecewise_vit_summary": vit_summary_table, "attention_piecewise": attention_speed_table,
           "kernel_auto": kernel_auto_table}
+
+
+def main(argv=None) -> None:
+    """Lists the tables (experiments/readme_tables.py renders them; run that one)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="The piecewise kernel's README tables (rendered by python -m "
+                                            "experiments.readme_tables, which imports this file); lists them.")
+    p.parse_args(argv)
+    for name, fn in TABLES.items():
+        print(f"{name}: {fn.__doc__.splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    main()
