@@ -52,13 +52,16 @@ def _kernels(res: dict, row: str) -> str:
     return ", ".join("latte" if k.get("kernel") != "piecewise" else f"@{k['top']}" for k in kinds)
 
 
+def _vit_results() -> list[tuple[str, dict]]:
+    """``[(split, results)]`` of the ViT splits whose results are committed."""
+    return [(split, _load(name)) for split, name in VIT_SPLITS.items()
+            if os.path.isfile(os.path.join(ROOT, "results", name))]
+
+
 def vit_table() -> str:
     """results/piecewise_vit6*.json: the ViT detector with its 6 ViT blocks non-exact, per split."""
     rows, commands = [], []
-    for split, name in VIT_SPLITS.items():
-        if not os.path.isfile(os.path.join(ROOT, "results", name)):
-            continue
-        res = _load(name)
+    for split, res in _vit_results():
         commands.append(f"`{res['command']}`")
         for row, m in res["metrics"].items():
             if row not in ROW_NAMES:
@@ -74,20 +77,15 @@ def vit_table() -> str:
 
 def vit_summary_table() -> str:
     """The README's view of :func:`vit_table`: one line per split."""
-    rows, commands = [], []
-    for split, name in VIT_SPLITS.items():
-        if not os.path.isfile(os.path.join(ROOT, "results", name)):
-            continue
-        res = _load(name)
-        commands.append(f"`{res['command']}`")
+    rows = []
+    for split, res in _vit_results():
         m = res["metrics"]
         cell = lambda r: f"{m[r]['bbox_mAP']:.3f} ({100 * m[r]['retained']:.1f}%)"  # noqa: E731
         time = " / ".join(f"{m[r]['encoder_latency_ratio']:.2f}" for r in ("ours:auto", "ours:kernel=piecewise",
                                                                            "ours:kernel=auto"))
         rows.append([split, f"{m['exact']['bbox_mAP']:.3f}", cell("ours:auto"), cell("ours:kernel=piecewise"),
                      cell("ours:kernel=auto"), _kernels(res, "ours:kernel=piecewise"), time])
-    goal = [f"{split} {100 * _load(name)['metrics']['ours:kernel=piecewise']['retained']:.1f}%"
-            for split, name in VIT_SPLITS.items() if os.path.isfile(os.path.join(ROOT, "results", name))]
+    goal = [f"{split} {100 * res['metrics']['ours:kernel=piecewise']['retained']:.1f}%" for split, res in _vit_results()]
     met = all(float(g.split()[-1][:-1]) >= 97.0 for g in goal)
     head = ["split", "exact mAP", "LATTE mAP (kept)", "piecewise", "auto (per layer)",
             "exact key blocks per ViT block (of 16)", "ViT backbone speed-up vs exact (LATTE / piecewise / auto)"]
