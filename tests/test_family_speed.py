@@ -11,20 +11,7 @@ def _family_speed():
     return family_speed
 
 
-def test_family_speed_rows_have_every_setting_and_their_fields(tmp_path):
-    family_speed = _family_speed()
-    out = family_speed.main(["--family", "rt_detr", "--sizes", "128", "--reps", "1", "--threads", "1",
-                             "--json", str(tmp_path / "speed.json"), "--plot", str(tmp_path / "speed.png")])
-    assert [r["setting"] for r in out["rows"]] == list(family_speed.SETTINGS)
-    for r in out["rows"]:
-        assert {"side", "tokens", "seconds", "runs", "attention_share", "peak_rss_gib", "linear", "candidates"} <= set(r)
-        assert 0.0 <= r["attention_share"] < 1.0 and r["seconds"] > 0 and len(r["runs"]) == 1
-        assert r["kernel"] == "eager"  # the default: the linear layers' eager fused path
-    assert [r["linear"] for r in out["rows"]] == [0, 3, 3]  # 67% and 83% of RT-DETR-R18's 4 candidates
-    assert os.path.getsize(tmp_path / "speed.png") > 0 and os.path.isfile(tmp_path / "speed.json")
-
-
-def test_family_speed_takes_another_architecture_and_the_calibrated_linear_sets(tmp_path):
+def test_family_speed_takes_another_architecture_the_calibrated_linear_sets_and_writes_every_field(tmp_path):
     import json
 
     from latte_plugin.hf.detectors import build_detector
@@ -39,13 +26,20 @@ def test_family_speed_takes_another_architecture_and_the_calibrated_linear_sets(
     main_job = tmp_path / "main_job.json"
     main_job.write_text(json.dumps({"rows": {row: {"linearized": lin} for row, lin in chosen.items()}}))
     out = family_speed.main(["--family", "deimv2", "--hf-config", arch, "--linear-from", str(main_job), "--label", "vit",
-                             "--sizes", "128", "--reps", "1", "--threads", "1", "--kernel", "eager"])
+                             "--sizes", "128", "--reps", "1", "--threads", "1", "--json", str(tmp_path / "speed.json"),
+                             "--plot", str(tmp_path / "speed.png")])
     assert [(r["setting"], r["linear"], r["candidates"], r["model"], r["kernel"]) for r in out["rows"]] == [
         ("exact", 0, 10, "vit", "eager"), ("67%", 2, 10, "vit", "eager"), ("83%", 3, 10, "vit", "eager")]
+    for r in out["rows"]:  # every field, one timed run each; the kernel: the default eager fused path
+        assert {"side", "tokens", "seconds", "runs", "attention_share", "peak_rss_gib", "linear", "candidates"} <= set(r)
+        assert 0.0 <= r["attention_share"] < 1.0 and r["seconds"] > 0 and len(r["runs"]) == 1
+    assert os.path.getsize(tmp_path / "speed.png") > 0 and os.path.isfile(tmp_path / "speed.json")
     assert family_speed.calibrated_linear(str(main_job), "67%") == names[-2:]
 
 
 def test_family_speed_runs_mmdets_detr_r50():
     require("mmdet")
-    out = _family_speed().main(["--family", "detr_r50", "--sizes", "128", "--reps", "1", "--threads", "1"])
-    assert [(r["linear"], r["candidates"], r["tokens"]) for r in out["rows"]] == [(0, 6, 16), (4, 6, 16), (5, 6, 16)]
+    out = _family_speed().main(["--family", "detr_r50", "--sizes", "128", "--reps", "1", "--threads", "1",
+                                "--settings", "exact", "83%"])
+    assert [(r["setting"], r["linear"], r["candidates"], r["tokens"]) for r in out["rows"]] == [
+        ("exact", 0, 6, 16), ("83%", 5, 6, 16)]
