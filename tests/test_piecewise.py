@@ -17,11 +17,11 @@ from tests.toy import ToyEncoder, toy_batches
 
 from latte_plugin import linearize, ops
 from latte_plugin.calibration.kernel_choice import pick_piecewise, piecewise_candidates
-from latte_plugin.calibration.record import RecordedItem, pooled_queries
+from latte_plugin.calibration.record import RecordedItem
 from latte_plugin.nn.install import find_latte_layers
 from latte_plugin.nn.params import LatteParams
 from latte_plugin.ops import triton_piecewise
-from latte_plugin.ops.piecewise import pool_blocks, select_key_blocks
+from latte_plugin.ops.piecewise import pool_blocks, pooled_queries, select_key_blocks
 
 F32 = 2e-5
 PER_HEAD = dict(m=torch.tensor([0.5, 1.0, 1.5]).view(3, 1, 1), rho=torch.tensor([2.0, 1e3, 1e6]).view(3, 1, 1))
@@ -158,7 +158,7 @@ def test_pooled_queries_of_a_sample_give_the_full_kernel_on_those_queries():
     q, k, v = qkv(b=1, h=2, n=100, m=90, d=16, scale=2.0)
     idx = torch.tensor([0, 7, 31, 32, 63, 99])
     for order in ops.ORDERS:
-        pool = pooled_queries(q[0], 16, order)[:, idx][None]
+        pool = pooled_queries(q, 16, order)[:, :, idx]
         spec = ops.PiecewiseSpec(2, 1.2, "blockmean", 16, order)
         full = ops.piecewise_attention(q, k, v, spec, 0.8, 3.0)
         sample = ops.naive_piecewise_attention(q[:, :, idx], k, v, spec, 0.8, 3.0, None, pool)

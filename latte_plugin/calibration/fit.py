@@ -197,18 +197,11 @@ def fit_records(layer: LatteParams, records: LayerRecords, opts: FitOptions) -> 
     kernel = None
     if opts.kernel != "latte":
         kernel = choose_kernel(layer, records, opts)
-        kernel = {**kernel.entry(), **_kernel_heldout(layer, records.report)}
+        # the chosen kernel's error before the output correction on the report images, if any
+        kernel = {**kernel.entry(), **({"heldout_mse": reconstruction_error(layer, list(records.report), opts.all_reduce,
+                                                                            use_sigma=False)}
+                                       if records.report else {})}
     res = fit_correction(layer, records, opts)
     return replace(res, initial_mse=initial, alpha_init=alpha0, steps=n_steps,
                    choice={"steps": step_trace, **res.choice}, kernel=kernel)
 
-
-def _kernel_heldout(layer: LatteParams, report: Sequence[RecordedItem]) -> dict:
-    """The chosen kernel's MSE (before the output correction) on the report items, when there are any."""
-    if not report:
-        return {}
-    sse = cnt = 0.0
-    for it in stack_by_shape(list(report)):
-        o = linear_outputs(layer, it, layer.m.double(), layer.log_rho.double())
-        sse, cnt = sse + float(((o - it.target) ** 2).sum()), cnt + float(o.numel())
-    return {"heldout_mse": sse / cnt}

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..ops.piecewise import pooled_queries
 from .context import ROLES, AllReduce, CalibrationRun
 from .taps import exact_taps
 
@@ -146,7 +147,8 @@ class LayerRecorder:
             mask = None if mask is None else mask[:, :, keep]
         q_pool = None
         if self.pool_block > 0 and mask is None:
-            q_pool = pooled_queries(q[b], self.pool_block, self.pool_order)[:, idx.to(q.device)].detach().float().cpu()
+            pool = pooled_queries(q[b:b + 1], self.pool_block, self.pool_order)[0]
+            q_pool = pool[:, idx.to(q.device)].detach().float().cpu()
         return RecordedItem(q=q[b][:, idx].detach().float().cpu(), k=kb.detach().float().cpu(),
                             v=vb.detach().float().cpu(), target=out[b][:, idx].detach().float().cpu(),
                             mask=None if mask is None else mask.detach().cpu(), key=key, priority=priority,
@@ -157,16 +159,6 @@ class LayerRecorder:
         if len(self.items) > self.max_items:  # drop the highest priority: keeps the lowest max_items
             worst = max(range(len(self.items)), key=lambda i: (self.items[i].priority, self.items[i].key))
             self.items.pop(worst)
-
-
-def pooled_queries(q: Tensor, block: int, order: str = "tokens") -> Tensor:
-    """Each query's block mean, the blocks formed as the piecewise kernel forms them
-    (``ops.piecewise.token_groups``): ``(H, N, d)`` to ``(H, N, d)``."""
-    from ..ops.piecewise import token_groups
-
-    groups, count = token_groups(q.unsqueeze(0), None, block, order)
-    hot = torch.nn.functional.one_hot(groups[0], count).to(q.dtype)  # (H, N, nQ)
-    return hot @ (hot.transpose(-1, -2) @ q / hot.sum(-2).clamp_min(1).unsqueeze(-1))
 
 
 _HEADER = ("present", "key", "priority", "H", "n", "M", "d", "dv", "has_mask", "has_pool")

@@ -98,15 +98,6 @@ def _naive_key_blocks(k: Tensor, v: Tensor, valid: Tensor, spec) -> tuple:
     return kgroup, counts, kbar, onehot.transpose(-1, -2) @ v
 
 
-def _naive_pooled_queries(q: Tensor, spec) -> Tensor:
-    """Each query's block mean, ``(B, H, N, d)``."""
-    from .piecewise import token_groups
-
-    qgroup, nq = token_groups(q, None, spec.block, spec.order)
-    qhot = torch.nn.functional.one_hot(qgroup, nq).to(q.dtype)  # (B, H, N, nQ)
-    return qhot @ (qhot.transpose(-1, -2) @ q / qhot.sum(2).clamp_min(1).unsqueeze(-1))
-
-
 def _naive_rest_values(q, k, v, blocks, rest_k, weights, spec, latte) -> Tensor:
     """The rest's numerator written out per key, given ``blocks`` ``(mean keys, block of each key)``,
     the rest keys of each query ``rest_k`` ``(B, H, N, M)``, the rest's mass ``weights``
@@ -150,7 +141,9 @@ def naive_piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec, m: Tensor |
     mlen = k.shape[-2]
     valid = torch.ones(b, mlen, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
     kgroup, counts, kbar, vsum = _naive_key_blocks(k, v, valid, spec)
-    q_pool = _naive_pooled_queries(q, spec) if q_pool is None else q_pool.to(acc)
+    from .piecewise import pooled_queries
+
+    q_pool = pooled_queries(q, spec.block, spec.order) if q_pool is None else q_pool.to(acc)
     pooled = (q_pool @ kbar.transpose(-1, -2) / math.sqrt(d)).masked_fill((counts == 0).unsqueeze(-2), float("-inf"))
     idx = torch.topk(pooled, min(int(spec.top), kbar.shape[2]), dim=-1).indices
     chosen_b = torch.zeros_like(pooled, dtype=torch.bool).scatter(-1, idx, True)  # (B, H, N, nK)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RESTS", "ORDERS", "PIECEWISE_BLOCK", "PiecewiseSpec", "similarity_groups", "similarity_order", "token_groups",
+__all__ = ["RESTS", "ORDERS", "PIECEWISE_BLOCK", "PiecewiseSpec", "similarity_groups", "similarity_order", "token_groups", "pooled_queries",
            "pool_blocks", "select_key_blocks", "piecewise_attention",
            "piecewise_exact_terms", "piecewise_rest_terms", "merge_terms", "psi_unit"]
 
@@ -274,6 +274,13 @@ def token_groups(x: Tensor, valid: Optional[Tensor], block: int, order: str) -> 
     perm = similarity_order(_pad(x, groups * size), ok, groups)
     slot = (torch.arange(groups * size, device=x.device) // size).expand_as(perm)
     return torch.empty_like(perm).scatter_(2, perm, slot)[..., :length], groups
+
+
+def pooled_queries(q: Tensor, block: int, order: str) -> Tensor:
+    """Each query's block mean, the blocks formed as :func:`token_groups` forms them: ``(B, H, N, d)``."""
+    groups, count = token_groups(q, None, block, order)
+    hot = torch.nn.functional.one_hot(groups, count).to(q.dtype)  # (B, H, N, nQ)
+    return hot @ (hot.transpose(-1, -2) @ q / hot.sum(-2).clamp_min(1).unsqueeze(-1))
 
 
 def _take(x: Tensor, perm: Tensor) -> Tensor:
