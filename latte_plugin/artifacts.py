@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 from torch import nn
 
 from .storage import CKPT_NAME, REPORT_NAME, atomic_write_json, save_calibrated_checkpoint
-from .viz import plot_sensitivity
+from .viz import plot_sensitivity, plot_speed_front
 
 __all__ = ["write_artifacts"]
 
@@ -45,5 +45,8 @@ def write_artifacts(model: nn.Module, report: dict, work_dir: str, framework: st
         plot = plot_sensitivity(report, os.path.join(work_dir, "latte_sensitivity.png"))
         if plot:
             paths["sensitivity_plot"] = plot
+        front = plot_speed_front(report["speed"], os.path.join(work_dir, "latte_speed_front.png")) if "speed" in report else None
+        if front:
+            paths["speed_front_plot"] = front
         atomic_write_json(report, paths["report"])
     return report

@@ -61,3 +61,39 @@ def plot_kept(metrics: dict, path: str) -> Optional[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_speed_front(speed: dict, path: str, marks: Optional[dict] = None, title: Optional[str] = None) -> Optional[str]:
+    """The judged speed-accuracy front of a ``speedup=`` / ``choose_for='speed'`` calibration: each
+    judged assignment's cross-fitted loss against its predicted speed-up, the chosen one starred,
+    the report's marks (the paper's protocol) and ``marks`` (``{label: (speed-up, loss)}``) beside it.
+
+    Returns the path written, or None when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return None
+    front = sorted(speed["front"], key=lambda p: p["predicted_speedup"])
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    ax.plot([p["predicted_speedup"] for p in front], [p["judged"] for p in front], "o-", color="tab:blue",
+            label="judged assignments")
+    chosen = speed["chosen"]
+    ax.plot([chosen["predicted_speedup"]], [chosen["judged"]], "*", ms=16, color="tab:red",
+            label=f"chosen (measured {speed.get('measured_speedup', float('nan')):.2f}x)")
+    points = {k: (p["predicted_speedup"], p["judged"]) for k, p in speed.get("marks", {}).items()}
+    for (label, (x, y)), marker in zip({**points, **(marks or {})}.items(), "sDv^P"):
+        ax.plot([x], [y], marker, ms=8, ls="none", label=label)
+    ax.set_xlabel("predicted end-to-end speed-up (x)")
+    ax.set_ylabel(f"cross-fitted {speed.get('measure', 'loss')}")
+    ax.set_title(title or "LATTE: modes chosen for speed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from ..ops import BACKENDS, ORDERS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
 __all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES",
-           "INFERENCE_MODES", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
+           "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
            "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
            "PIECEWISE_SLACK", "num_linear_layers"]
 
@@ -32,6 +32,8 @@ COMPENSATE = ("auto", "always", "never")
 #: What judges whole configurations and the compensation: the raw outputs, the detections, or
 #: ``auto`` (the detections where the adapter runs the detector's post-processing).
 JUDGES = ("outputs", "detections", "auto")
+#: What the selection optimises: a layer count (the paper's protocol) or the predicted speed-up.
+CHOOSE_FOR = ("count", "speed")
 #: Modes of the selected layers at inference.
 INFERENCE_MODES = ("linear", "dynamic")
 
@@ -133,6 +135,14 @@ class LatteConfig:
                                          "cross-fitted fidelity loss stays within it; for detectors 1 - agreement "
                                          "of the detections with the exact model's (0.05 keeps 95 percent), else the "
                                          "relative raw-output distortion (ratio and num_linear are then ignored)")
+    speedup: Optional[float] = _opt(None, "predicted end-to-end speed-up to reach at the calibration input size "
+                                          "instead of a count: per-layer modes (exact, latte, piecewise at each "
+                                          "block count) with the lowest cross-fitted distortion whose speed-up, "
+                                          "from the layers' timed costs, is at least this (implies "
+                                          "choose_for=speed; ratio and num_linear are then ignored)")
+    choose_for: str = _opt("count", "what the selection optimises: count (a layer count: ratio, num_linear, or "
+                                    "the most layers within target; the paper's protocol) or speed (per-layer modes "
+                                    "for speedup, or the highest predicted speed-up within target)", CHOOSE_FOR)
     lam: float = _opt(10.0, "lambda of the sensitivity score")
     greedy_images: int = _opt(8, "calibration images the greedy and backward searches compare outputs on (at most "
                                  "the first half of the images when configurations are compared: the rest judge)")
@@ -176,6 +186,11 @@ class LatteConfig:
         object.__setattr__(self, "refit_reg", tuple(self.refit_reg))
         self.validate()
 
+    @property
+    def for_speed(self) -> bool:
+        """Whether the selection assigns per-layer modes for speed (``speedup`` or ``choose_for='speed'``)."""
+        return self.speedup is not None or self.choose_for == "speed"
+
     @classmethod
     def field_help(cls) -> dict[str, str]:
         """``{field: help}`` of every field."""
@@ -191,6 +206,14 @@ class LatteConfig:
             raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
         if self.target is not None and not 0.0 < float(self.target) < 1.0:
             raise ValueError(f"target (a fidelity loss budget, e.g. 0.05 keeps 95%) must be in (0, 1), got {self.target}")
+        if self.speedup is not None and not (math.isfinite(float(self.speedup)) and float(self.speedup) >= 1.0):
+            raise ValueError(f"speedup (a predicted end-to-end speed-up, e.g. 1.4) must be >= 1, got {self.speedup}")
+        if self.choose_for not in CHOOSE_FOR:
+            raise ValueError(f"choose_for must be one of {', '.join(CHOOSE_FOR)}, got {self.choose_for!r}")
+        if self.choose_for == "speed" and self.speedup is None and self.target is None:
+            raise ValueError("choose_for='speed' needs speedup= (a speed-up to reach) or target= (a fidelity budget)")
+        if self.speedup is not None and self.target is not None:
+            raise ValueError("give speedup= or target=, not both: one is the constraint, the other is optimised")
         if self.compensate not in COMPENSATE:
             raise ValueError(f"compensate must be one of {', '.join(COMPENSATE)}, got {self.compensate!r}")
         if self.judge not in JUDGES:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..nn.install import find_latte_layers, layer_states, restore_layer_states, set_modes
 from .compensate import compensate_layers
+from .cost import CostModel, measure_costs, measured_speedup
 from .config import LatteConfig, num_linear_layers
 from .context import ROLES, CalibrationRun, Host, Measure
 from .corrections import CorrectionTable, FitOptions, LayerRecords, set_correction
@@ -30,6 +31,7 @@ from .report import ShareResult, build_report, fit_entry
 from .select import (Configuration, candidate_sets, choose_configuration, configuration_name, score_stats, scores,
                      select_by_score, summed_stats, target_count, trace_up_to)
 from .signal import attention_signal
+from .speed import check_reachable, fit_modes, install_assignment, speed_front
 
 __all__ = ["calibrate_model", "calibrate_model_ratios"]
 
@@ -62,6 +64,8 @@ class _Fitted:
     halves: list[HalfSearch]
     ks: list[int]
     states: dict = field(repr=False, default_factory=dict)
+    menus: Mapping[str, Mapping] = field(repr=False, default_factory=dict)  # speed: {layer: {mode: ModeFit}}
+    cost: Optional[CostModel] = None
 
 
 @torch.no_grad()
@@ -81,8 +85,8 @@ def calibrate_model_ratios(model: nn.Module, batches: Sequence[Any], host: Host,
         host: what the caller supplies (``forward``, the all-reduce, the log, ...).
         cfg: the settings. ratios: the linear shares; ``None``: ``cfg``'s own count (or ``target``) only.
     """
-    if ratios is not None and cfg.target is not None:
-        raise ValueError("target= chooses its own layer count: calibrate it on its own, without ratios")
+    if ratios is not None and (cfg.target is not None or cfg.for_speed):
+        raise ValueError("target= and speedup= choose their own layers: calibrate them on their own, without ratios")
     cfgs = [cfg] if ratios is None else [replace(cfg, ratio=float(r), num_linear=None) for r in ratios]
     was_training = model.training
     run = _start(model, batches, host, cfg)
@@ -118,27 +122,49 @@ def _start(model: nn.Module, batches: Sequence[Any], host: Host, cfg: LatteConfi
 
 def _fit_and_search(run: CalibrationRun, counts: Sequence[int]) -> _Fitted:
     """Steps 1-3, shared by every share: record and fit every layer, then score and search each
-    half for every count the shares need (every count with ``target``)."""
-    fits, corrections, targets = _calibrate_layers(run)
-    ks = list(range(1, len(run.layers) + 1)) if run.cfg.target is not None else sorted(set(counts))
+    half for every count the shares need (every count with ``target``; none when choosing for
+    speed, which first measures the cost model and refuses an unreachable ``speedup``)."""
+    cost = _shared_costs(run) if run.cfg.for_speed else None
+    if cost is not None:
+        check_reachable(cost, run.cfg.speedup)
+    fits, corrections, targets, menus = _calibrate_layers(run, cost)
+    ks = [] if cost is not None else list(range(1, len(run.layers) + 1)) if run.cfg.target is not None else sorted(set(counts))
     halves = [_search_half(run, i, corrections, ks) for i in range(len(run.split.halves))]
-    return _Fitted(fits, corrections, targets, halves, ks, layer_states(run.layers))
+    return _Fitted(fits, corrections, targets, halves, ks, layer_states(run.layers), menus, cost)
 
 
-def _calibrate_layers(run: CalibrationRun) -> tuple[dict, CorrectionTable, Optional[dict]]:
-    """Records and fits every layer (one group, or layer by layer with ``sequential``).
+def _shared_costs(run: CalibrationRun) -> CostModel:
+    """The cost model at this rank's first calibration batch, averaged across ranks (every rank
+    must choose the same assignment)."""
+    knobs = {"block": run.cfg.piecewise_block, "order": run.cfg.piecewise_order, "rest": run.cfg.piecewise_rest}
+    cost = measure_costs(run.layers, run.split.used[0][1], run.forward, knobs)
+    keys = [(n, m) for n, c in cost.layers.items() for m in c]
+    world = float(run.shard[1])
+    flat = run.reduce(torch.tensor([cost.exact_ms] + [cost.layers[n][m] for n, m in keys], dtype=torch.float64)) / world
+    layers: dict = {n: {} for n in cost.layers}
+    for (n, m), v in zip(keys, flat[1:].tolist()):
+        layers[n][m] = v
+    run.log(f"[latte] cost model: exact forward {float(flat[0]):.1f} ms, attention "
+            + ", ".join(f"{n} {c['exact']:.2f} ms" for n, c in layers.items()))
+    return replace(cost, exact_ms=float(flat[0]), layers=layers)
+
+
+def _calibrate_layers(run: CalibrationRun, cost: Optional[CostModel]) -> tuple[dict, CorrectionTable, Optional[dict], dict]:
+    """Records and fits every layer (one group, or layer by layer with ``sequential``); with a
+    cost model, in every mode it times too.
 
     Returns:
-        ``(fits, corrections, exact targets)`` (:func:`_fit_layers`, :func:`_exact_targets`; no
-        targets with ``sequential``, whose records are not the exact model's).
+        ``(fits, corrections, exact targets, {layer: {mode: ModeFit}})`` (:func:`_fit_layers`,
+        :func:`_exact_targets`; no targets with ``sequential``, whose records are not the exact model's).
     """
     fits: dict[str, dict] = {}
+    menus: dict[str, dict] = {}
     corrections: dict[str, dict] = {r: {} for r in run.rules}
     targets = None
     names = list(run.layers)
     for group in ([[n] for n in names] if run.cfg.sequential else [names]):
         recs = record_layers(run, group, f"recording {group[0]}" if run.cfg.sequential else "recording")
-        group_fits, group_corrections = _fit_layers(run, group, recs)
+        group_fits, group_corrections = _fit_layers(run, group, recs, cost, menus)
         fits.update(group_fits)
         for rule in run.rules:
             corrections[rule].update(group_corrections[rule])
@@ -146,11 +172,13 @@ def _calibrate_layers(run: CalibrationRun) -> tuple[dict, CorrectionTable, Optio
             run.layers[group[0]].mode = "linear"
         else:
             targets = _exact_targets(recs)
-    return fits, CorrectionTable(corrections), targets
+    return fits, CorrectionTable(corrections), targets, menus
 
 
-def _fit_layers(run: CalibrationRun, group: list[str], recs: dict) -> tuple[dict, dict]:
-    """Fits each layer of ``group`` on its ``fit`` records (knobs on ``choose``, errors on ``report``).
+def _fit_layers(run: CalibrationRun, group: list[str], recs: dict, cost: Optional[CostModel] = None,
+                menus: Optional[dict] = None) -> tuple[dict, dict]:
+    """Fits each layer of ``group`` on its ``fit`` records (knobs on ``choose``, errors on ``report``);
+    with ``cost``, also in each of the layer's timed modes (into ``menus``).
 
     Returns:
         ``({layer: report entry}, {rule: {layer: FittedCorrection}})``; the second feeds the
@@ -164,7 +192,10 @@ def _fit_layers(run: CalibrationRun, group: list[str], recs: dict) -> tuple[dict
                       piecewise_rest=cfg.piecewise_rest, piecewise_order=cfg.piecewise_order)
     for n in group:
         layer = run.layers[n]
-        res = fit_records(layer, LayerRecords(*(recs[role][n].items for role in ROLES)), opts)
+        records = LayerRecords(*(recs[role][n].items for role in ROLES))
+        res = fit_records(layer, records, opts)
+        if cost is not None and menus is not None:
+            menus[n] = fit_modes(layer, records, opts, [m for m in cost.layers[n] if m != "exact"])
         fits[n] = fit_entry(res)
         for rule in run.rules:
             corrections[rule][n] = res.rules[rule]
@@ -185,7 +216,7 @@ def _search_half(run: CalibrationRun, i: int, corrections: CorrectionTable, ks: 
     """Scores half ``i`` and runs every selection method on it (cross-fitted, the user's rule)."""
     stats, tokens = score_stats(run, run.split.halves[i], corrections[run.cfg.correction])
     searcher = CrossFitJudge(run.layers, run.split.greedy[i], run.fold_of, run.reduce)
-    sets, traces = _search(run, [searcher], scores(stats, run.cfg.lam), ks, corrections, run.methods)
+    sets, traces = _search(run, [searcher], scores(stats, run.cfg.lam), ks, corrections, run.methods if ks else ("score",))
     return HalfSearch(CrossFitJudge(run.layers, run.split.halves[i], run.fold_of, run.reduce), searcher, stats, tokens,
                       sets, traces)
 
@@ -202,6 +233,8 @@ def _search(run: CalibrationRun, searchers: list, sens: dict, ks: Sequence[int],
 def _configure(run: CalibrationRun, fitted: _Fitted, k: int, signal: Optional[dict]) -> dict:
     """One share's steps (``k`` layers, or ``target``'s count), from choosing the configuration
     to the report; nothing it does changes what another share reads."""
+    if run.cfg.for_speed:
+        return _configure_speed(run, fitted, signal)
     cfg, halves = run.cfg, fitted.halves
     ks = fitted.ks if cfg.target is not None else [k]
     chosen, how = _select_configuration(run, fitted, ks, k)
@@ -223,6 +256,38 @@ def _configure(run: CalibrationRun, fitted: _Fitted, k: int, signal: Optional[di
     share = ShareResult(k, chosen.layers, sens, fits, trace, sum(h.tokens for h in halves), held.get("raw_mse"), signal)
     report = build_report(run, share)
     report["selection"].update(how, configuration=chosen.name, heldout=held)
+    return report
+
+
+def _configure_speed(run: CalibrationRun, fitted: _Fitted, signal: Optional[dict]) -> dict:
+    """The speed search's steps (:func:`~.speed.speed_front`), then the same install, held-out
+    figures, report and a measured end-to-end speed-up beside the predicted one. No error
+    compensation: its refit is a layer set's, not a mode assignment's."""
+    choice = speed_front(run, fitted.halves, fitted.menus, fitted.cost)
+    assignment = dict(choice.chosen.assignment)
+    chosen = Configuration("speed", "speed", list(assignment), k=len(assignment))
+    corrections = fitted.corrections.with_rule("speed", {n: fitted.menus[n][m].correction for n, m in assignment.items()})
+    applied = install_assignment(run.layers, fitted.menus, assignment)
+    held = _heldout_figures(run, chosen, corrections, fitted.halves)
+    sens = scores(summed_stats(h.stats for h in fitted.halves), run.cfg.lam)
+    _apply_selection(run, chosen.layers, sens)
+    batch = run.split.used[0][1]
+    measured = measured_speedup(lambda: run.forward(batch), lambda on: set_modes(run.layers, chosen.layers if on else []))
+    if signal is None:
+        signal = attention_signal(run.layers, [b for _, b in run.split.used], run.forward, run.reduce) if run.cfg.signal else {}
+        _apply_selection(run, chosen.layers, sens)
+    fits = {n: {**f, **({"applied": applied[n], "kernel": fitted.menus[n][assignment[n]].entry()["kernel"],
+                         "mode": assignment[n]} if n in applied else {}),
+                "modes": {m: mf.entry() for m, mf in fitted.menus.get(n, {}).items()}} for n, f in fitted.fits.items()}
+    share = ShareResult(len(assignment), chosen.layers, sens, fits, [], sum(h.tokens for h in fitted.halves),
+                        held.get("raw_mse"), signal)
+    report = build_report(run, share)
+    report["selection"].update(chosen="speed", configuration="speed", heldout=held)
+    report["speed"] = {"cost": fitted.cost.entry(), **choice.entry(), "assignment": assignment,
+                       "predicted_speedup": choice.chosen.speedup, "measured_speedup": measured["speedup"],
+                       "measured": measured, "speedup": run.cfg.speedup, "target": run.cfg.target}
+    run.log(f"[latte] speed-up at this input size: predicted {choice.chosen.speedup:.2f}x, measured "
+            f"{measured['speedup']:.2f}x (exact {measured['exact_ms']:.1f} ms, hybrid {measured['hybrid_ms']:.1f} ms)")
     return report
 
 

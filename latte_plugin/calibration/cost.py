@@ -1,0 +1,217 @@
+"""The cost model behind ``speedup=`` and ``choose_for='speed'`` (``docs/method.md#speed``).
+
+Each candidate layer's attention is timed, on this machine, at the shapes it saw in one exact
+forward of a calibration batch (so at the input size the calibration images have: the config's
+test size), in every mode it can take: ``exact`` (softmax), ``latte`` and ``piecewise@<top>``.
+The exact model's end-to-end time of that batch completes the profile: an assignment of modes
+saves, per layer, the difference between its exact and its mode's time, and its predicted
+end-to-end speed-up is ``T_exact / (T_exact - saved)``. The measured speed-up of the chosen
+assignment (:func:`measured_speedup`) is reported beside the prediction.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..nn.install import layer_states, restore_layer_states, set_modes
+from ..nn.params import LatteParams
+from ..ops.piecewise import similarity_groups
+from .config import PIECEWISE_TOPS
+from .taps import exact_taps
+
+__all__ = ["CallShape", "CostModel", "call_shapes", "layer_modes", "time_ms", "time_layer", "measure_costs",
+           "measured_speedup", "EXACT", "LATTE", "piecewise_mode", "mode_top"]
+
+EXACT, LATTE = "exact", "latte"
+#: Timed repetitions (medians) of one layer call and of one model forward.
+LAYER_REPS, MODEL_REPS = 5, 5
+
+
+def piecewise_mode(top: int) -> str:
+    """The name of the piecewise mode with ``top`` exact key blocks per query block."""
+    return f"piecewise@{int(top)}"
+
+
+def mode_top(mode: str) -> Optional[int]:
+    """``top`` of a ``piecewise@<top>`` mode; ``None`` for the others."""
+    return int(mode.split("@", 1)[1]) if mode.startswith("piecewise@") else None
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """One call of a layer in the exact forward: ``q (B, H, N, d)``, ``k (B, H, M, d)``,
+    ``v (B, H, M, d_v)``, whether a key padding mask came with it, and the tensors' dtype."""
+
+    batch: int
+    heads: int
+    queries: int
+    keys: int
+    dim: int
+    dim_v: int
+    padded: bool = False
+    masked: bool = False
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+def call_shapes(layers: Mapping[str, LatteParams], batch: Any, forward: Callable[[Any], Any]) -> dict[str, list[CallShape]]:
+    """``{layer: [CallShape of each call]}`` in one exact forward of ``batch``."""
+    shapes: dict[str, list[CallShape]] = {n: [] for n in layers}
+
+    def tap(name: str):
+        def seen(q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Tensor], out: Tensor, attn_mask=None) -> None:
+            shapes[name].append(CallShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
+                                          kpm is not None, attn_mask is not None, q.dtype, str(q.device)))
+        return seen
+
+    set_modes(dict(layers), [])
+    with exact_taps(dict(layers), {n: tap(n) for n in layers}):
+        forward(batch)
+    return shapes
+
+
+def layer_modes(calls: Sequence[CallShape], block: int, order: str, tops: Sequence[int] = PIECEWISE_TOPS) -> list[str]:
+    """The non-exact modes a layer can take at these calls: ``latte``, and ``piecewise@<top>`` for
+    every top that leaves some key approximated (none where a general mask came)."""
+    if not calls:
+        return []
+    modes = [LATTE]
+    if any(c.masked for c in calls):
+        return modes
+    most = max(similarity_groups(c.keys, block, order)[0] for c in calls)
+    return modes + [piecewise_mode(t) for t in tops if t < most]
+
+
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _set_mode(layer: LatteParams, mode: str, knobs: Mapping[str, Any]) -> None:
+    """Puts ``layer`` in ``mode`` (piecewise with the layer's block, order and rest, gamma 1: the
+    cost does not depend on gamma)."""
+    if mode == EXACT:
+        layer.mode = "exact"
+        return
+    layer.mode = "linear"
+    top = mode_top(mode)
+    if top is None:
+        layer.kernel = "latte"
+    else:
+        layer.set_piecewise(top, 1.0, knobs["rest"], knobs["block"], knobs["order"])
+
+
+def _inputs(c: CallShape, gen: torch.Generator) -> tuple[Tensor, ...]:
+    q = torch.randn(c.batch, c.heads, c.queries, c.dim, generator=gen).to(c.device, c.dtype)
+    k = torch.randn(c.batch, c.heads, c.keys, c.dim, generator=gen).to(c.device, c.dtype)
+    v = torch.randn(c.batch, c.heads, c.keys, c.dim_v, generator=gen).to(c.device, c.dtype)
+    kpm = torch.zeros(c.batch, c.keys, dtype=torch.bool, device=c.device) if c.padded else None
+    return q, k, v, kpm
+
+
+@torch.no_grad()
+def time_layer(layer: LatteParams, calls: Sequence[CallShape], modes: Sequence[str], knobs: Mapping[str, Any],
+               reps: int = LAYER_REPS) -> dict[str, float]:
+    """``{mode: ms}``: the summed median time of the layer's calls in each mode (``exact`` first),
+    on random inputs of the recorded shapes; the layer's state is restored afterwards."""
+    saved = layer_states({"l": layer})
+    gen = torch.Generator().manual_seed(0)
+    inputs = [_inputs(c, gen) for c in calls]
+    out = {}
+    try:
+        for mode in [EXACT, *modes]:
+            _set_mode(layer, mode, knobs)
+            out[mode] = sum(time_ms(lambda a=a: layer.attend(*a), reps) for a in inputs)
+    finally:
+        restore_layer_states({"l": layer}, saved)
+    return out
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The exact model's time profile at the calibration input size.
+
+    Attributes:
+        exact_ms: the exact model's end-to-end time of one calibration batch (median).
+        layers: ``{layer: {mode: ms per forward}}``, ``exact`` included.
+        shapes: ``{layer: [CallShape]}`` the times were measured at.
+    """
+
+    exact_ms: float
+    layers: Mapping[str, Mapping[str, float]]
+    shapes: Mapping[str, Sequence[CallShape]] = field(default_factory=dict, repr=False)
+
+    def saving(self, layer: str, mode: str) -> float:
+        """Milliseconds per forward that ``mode`` saves on ``layer`` (negative: it is slower)."""
+        costs = self.layers[layer]
+        return 0.0 if mode == EXACT else costs[EXACT] - costs[mode]
+
+    def predicted_speedup(self, assignment: Mapping[str, str]) -> float:
+        """``T_exact / (T_exact - saved)`` of an assignment ``{layer: mode}`` (unnamed layers exact)."""
+        saved = sum(self.saving(n, m) for n, m in assignment.items())
+        return self.exact_ms / max(self.exact_ms - saved, 1e-9)
+
+    def fastest(self) -> dict[str, str]:
+        """Every layer in its cheapest mode (exact where no mode saves time)."""
+        best = {n: max(costs, key=lambda m: self.saving(n, m)) for n, costs in self.layers.items()}
+        return {n: m for n, m in best.items() if m != EXACT}
+
+    def entry(self) -> dict:
+        return {"exact_ms": self.exact_ms, "layers_ms": {n: dict(c) for n, c in self.layers.items()},
+                "attention_exact_ms": sum(c[EXACT] for c in self.layers.values()),
+                "shapes": {n: [[c.batch, c.heads, c.queries, c.keys, c.dim] for c in cs] for n, cs in self.shapes.items()},
+                "ceiling_speedup": self.predicted_speedup({n: min(c, key=c.get) for n, c in self.layers.items()
+                                                           if min(c, key=c.get) != EXACT}),
+                "max_speedup": self.predicted_speedup(self.fastest())}
+
+
+@torch.no_grad()
+def measure_costs(layers: Mapping[str, LatteParams], batch: Any, forward: Callable[[Any], Any],
+                  knobs: Mapping[str, Any], modes: Optional[Mapping[str, Sequence[str]]] = None) -> CostModel:
+    """The :class:`CostModel` of ``layers`` at ``batch``'s size: one exact forward records the calls'
+    shapes, each layer is timed in each of its modes (``modes[layer]``; default: :func:`layer_modes`),
+    and the exact model's forward of ``batch`` is timed end to end.
+
+    Args:
+        knobs: the piecewise ``block``, ``order`` and ``rest`` of the calibration's settings.
+    """
+    shapes = call_shapes(layers, batch, forward)
+    per_layer = {}
+    for n, layer in layers.items():
+        ms = modes[n] if modes is not None else layer_modes(shapes[n], knobs["block"], knobs["order"])
+        per_layer[n] = time_layer(layer, shapes[n], ms, knobs) if shapes[n] else {EXACT: 0.0}
+    set_modes(dict(layers), [])
+    return CostModel(time_ms(lambda: forward(batch), MODEL_REPS), per_layer, shapes)
+
+
+@torch.no_grad()
+def measured_speedup(forward: Callable[[], Any], switch: Callable[[bool], None], reps: int = MODEL_REPS) -> dict:
+    """The measured end-to-end speed-up: ``forward()`` timed with ``switch(False)`` (exact) and
+    ``switch(True)`` (the assignment) in alternation, ``reps`` times each; medians.
+
+    Returns:
+        ``{"exact_ms", "hybrid_ms", "speedup"}``; the model is left with ``switch(True)``.
+    """
+    exact, hybrid = [], []
+    for on in (False, True):  # one warm-up of each
+        switch(on)
+        forward()
+    for _ in range(max(1, reps)):
+        for on, acc in ((False, exact), (True, hybrid)):
+            switch(on)
+            acc.append(time_ms(forward, 1, warmup=0))
+    switch(True)
+    e, h = statistics.median(exact), statistics.median(hybrid)
+    return {"exact_ms": e, "hybrid_ms": h, "speedup": e / h if h > 0 else float("nan")}
