@@ -124,9 +124,13 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
                                  "method", "chosen", "configuration", "comparison", "target", "halves", "judge_images",
                                  "greedy_images", "heldout", "compensation", "searched_again")},
                              "layers": {n: dict({k: f.get(k) for k in ("steps", "refit_reg", "correction", "applied",
-                                                                       "heldout_mse", "heldout", "choice", "kernel")},
+                                                                       "heldout_mse", "heldout", "choice", "kernel",
+                                                                       "mode")},
                                                 compensated=(f.get("compensated") or {}).get("correction"))
-                                        for n, f in r["fit"].items()}}
+                                        for n, f in r["fit"].items()},
+                             **({"speed": {k: r["speed"][k] for k in ("predicted_speedup", "measured_speedup", "assignment",
+                                                                      "chosen", "front", "marks", "measure", "cost")}}
+                                if "speed" in r else {})}
                       for name, r in report.get("row_reports", {}).items()}
     out["command"] = "python -m experiments.main_job " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("config", a.config), ("checkpoint", a.checkpoint),
@@ -143,11 +147,14 @@ def run(a: argparse.Namespace) -> dict:
     from latte_plugin.storage import atomic_write_json
     from latte_plugin.mmdet.workflow import save_calibrated_checkpoint
     from latte_plugin.viz import plot_kept, plot_sensitivity
-    from experiments.main_job_rows import DEFAULT_ROW, ROWS, row_key, run_rows
+    from experiments.main_job_rows import DEFAULT_ROW, ROWS, named_row, row_key, run_rows
 
     t0 = time.time()
     runner, base, batches = build(a)
-    rows = [r for r in ROWS if not a.rows or r.name in a.rows]
+    rows = [named_row(n) for n in a.rows] if a.rows else list(ROWS)
+    if None in rows:
+        raise SystemExit(f"--rows: unknown row {a.rows[rows.index(None)]!r}; see python -m experiments.main_job_rows, or "
+                         "ours:speedup=X")
     ckpt_path = os.path.join(a.work_dir, CKPT_NAME)
     default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(
         (r.name for r in rows if r.kind == "latte"), None)

@@ -23,7 +23,7 @@ from latte_plugin.adapter import calibrate_ratios
 from latte_plugin.mmdet.calibrate import ADAPTER, calibrate_detector, detector_forward, unwrap
 from latte_plugin.mmdet.workflow import evaluate_bbox
 
-__all__ = ["ROWS", "DEFAULT_ROW", "Row", "row_key", "shared_calibrations", "run_rows", "run_row", "row_fits", "encoder_latency",
+__all__ = ["ROWS", "DEFAULT_ROW", "SPEED_ROW", "named_row", "Row", "row_key", "shared_calibrations", "run_rows", "run_row", "row_fits", "encoder_latency",
            "latency_modules"]
 
 
@@ -80,6 +80,20 @@ ROWS = [
 #: The row whose calibrated checkpoint the main job saves and reports at the top level: the
 #: package defaults (LatteConfig).
 DEFAULT_ROW = "ours:auto"
+#: Rows named ``ours:speedup=<X>`` (any X >= 1) choose per-layer modes for a predicted X-fold end-to-end
+#: speed-up at the job's input size (``docs/method.md#speed``).
+SPEED_ROW = "ours:speedup="
+
+
+def named_row(name: str) -> Optional[Row]:
+    """The row of that name: one of :data:`ROWS`, or an ``ours:speedup=<X>`` row; ``None`` if neither."""
+    row = next((r for r in ROWS if r.name == name), None)
+    if row is None and name.startswith(SPEED_ROW):
+        try:
+            row = Row(name, {"speedup": float(name[len(SPEED_ROW):])})
+        except ValueError:
+            return None
+    return row
 
 
 def row_key(base: LatteConfig, row: Row) -> str:
@@ -140,7 +154,7 @@ def shared_calibrations(base: LatteConfig, rows: list) -> dict[str, list]:
     for row in rows:
         cfg = dataclasses.replace(copy.deepcopy(base), **row.changes)
         key = row_key(base, row)
-        if row.kind != "latte" or cfg.target is not None or cfg.num_linear is not None or key in seen:
+        if row.kind != "latte" or cfg.target is not None or cfg.num_linear is not None or cfg.for_speed or key in seen:
             continue
         seen.add(key)
         groups.setdefault(str({**cfg.to_dict(), "ratio": None}), []).append(row)
@@ -240,6 +254,8 @@ def run_row(runner, batches: list, base: LatteConfig, row: Row, reports: dict, t
         "linear": f"{len(linear)}/{len(layers)}",
         "linearized": list(linear),
         "encoder_latency_ratio": t_exact / t_row,
+        **({"predicted_speedup": rep["speed"]["predicted_speedup"], "measured_speedup": rep["speed"]["measured_speedup"]}
+           if "speed" in rep else {}),
         "calibration_seconds": t_cal,
         "seconds": time.time() - t0,
     }

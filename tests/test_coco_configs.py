@@ -243,7 +243,8 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, 
     builtin ``coco_2017_*`` datasets (``DETECTRON2_DATASETS``), evaluated by COCOEvaluator in
     detectron2's own ``lazyconfig_train_net.py --eval-only`` (where LATTE_DETECTRON2_SRC gives the
     script): RT-DETR calibrated on 2 train images at the first evaluation forward; DETR-R50 from a
-    checkpoint tools/calibrate.py calibrated with the piecewise kernel, reproducing its AP."""
+    checkpoint tools/calibrate.py calibrated with ``--speedup`` (per-layer modes from a cost model
+    file), reproducing its AP."""
     require("detectron2")
     script = _d2_script()
     if script is None:
@@ -261,13 +262,16 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, 
     if name.startswith("detr"):
         # calibrated first by tools/calibrate.py with the piecewise kernel (25 encoder tokens: 2 blocks
         # of 13), then loaded by the script: it must not recalibrate, and gives the tool's linearized AP
-        work = tmp_path / "cal"
+        # for --speedup, a cost model file where only the piecewise kernel saves time
+        work, cost = tmp_path / "cal", tmp_path / "cost.json"
+        cost.write_text(json.dumps({"exact_ms": 40.0, "layers_ms": {"*": {"exact": 5.0, "latte": 6.0, "piecewise@1": 2.0}}}))
         cal = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "calibrate.py"), config, "--checkpoint",
-                              tiny_detr_checkpoint(tmp_path), "--work-dir", str(work), "--eval", *FAST, "--kernel",
-                              "piecewise", "--piecewise-block", "16", "--cfg-options", *overrides],
+                              tiny_detr_checkpoint(tmp_path), "--work-dir", str(work), "--eval", *FAST, "--speedup",
+                              "1.3", "--cost-model", str(cost), "--piecewise-block", "16", "--cfg-options", *overrides],
                              capture_output=True, text=True, env=env, cwd=str(tmp_path))
         assert cal.returncode == 0, (cal.stdout + cal.stderr)[-4000:]
         report = json.load(open(work / "latte_report.json"))
+        assert report["speed"]["predicted_speedup"] >= 1.3 and len(report["linearized"]) >= 4
         assert {f["kernel"]["kernel"] for n, f in report["fit"].items() if n in report["linearized"]} == {"piecewise"}
         overrides.append(f"train.init_checkpoint={work / 'latte_calibrated.pth'}")
     else:

@@ -153,22 +153,38 @@ def test_never_calibrate_without_latte_state_is_a_clear_error(synthetic_data, tm
         runner.test()
 
 
-def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path):
-    """mmdet's own tools/test.py on the calibrated checkpoint prints the linearized bbox_mAP; the
-    linear layers run the piecewise kernel (blocks of 4 of the encoder's 16 tokens), whose knobs
-    the checkpoint carries (the Runner reload test covers LATTE layers)."""
+def _piecewise_only_costs(layers, batch, forward, knobs, modes=None):
+    """A cost model where only the piecewise kernel saves time (LATTE is slower than softmax)."""
+    from latte_plugin.calibration.cost import CostModel
+
+    return CostModel(40.0, {n: {"exact": 5.0, "latte": 6.0, "piecewise@1": 2.0, "piecewise@2": 3.0} for n in layers})
+
+
+def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path, monkeypatch):
+    """mmdet's own tools/test.py on a checkpoint calibrated with speedup= prints the linearized
+    bbox_mAP: the checkpoint carries the per-layer assignment (which layers run, each with its
+    piecewise knobs: blocks of 4 of the encoder's 16 tokens; the cost model is a fixed one where
+    only the piecewise kernel saves time)."""
     import mmdet
 
+    from latte_plugin.calibration import flow
     from latte_plugin.mmdet.workflow import run_calibration
 
-    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20, kernel="piecewise",
-                   piecewise_block=4, **PAPER)
+    monkeypatch.setattr(flow, "measure_costs", _piecewise_only_costs)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20, speedup=1.3, piecewise_block=4,
+                   correction="sigma", signal=False)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = run_calibration(str(cfg_path), work_dir=str(tmp_path / "cal"), evaluate=True)
+    assignment = report["speed"]["assignment"]
+    assert report["speed"]["predicted_speedup"] >= 1.3 and os.path.isfile(report["paths"]["speed_front_plot"])
     state = torch.load(report["paths"]["checkpoint"], weights_only=True)["state_dict"]
-    for name in report["linearized"]:
-        assert int(state[f"{name}.attn.latte.kernel_id"]) == 1 and int(state[f"{name}.attn.latte.piecewise_top"]) >= 1
+    for name in report["candidates"]:
+        mode = assignment.get(name)
+        assert int(state[f"{name}.attn.latte.mode_id"]) == (0 if mode is None else 1), name
+        if mode is not None:
+            assert int(state[f"{name}.attn.latte.kernel_id"]) == 1
+            assert f"piecewise@{int(state[f'{name}.attn.latte.piecewise_top'])}" == mode
     test_py = os.path.join(os.path.dirname(mmdet.__file__), ".mim", "tools", "test.py")
     env = dict(os.environ)
     out = subprocess.run([sys.executable, test_py, str(cfg_path), report["paths"]["checkpoint"],

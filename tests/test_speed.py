@@ -178,3 +178,24 @@ def test_cost_model_against_a_naive_timing():
     cost = measure_costs(find_latte_layers(model), batch, lambda b: model(b), knobs)
     assert set(cost.layers["layers.0.attn"]) >= {"exact", "latte"} and len(cost.shapes["layers.0.attn"]) == 1
     assert cost.exact_ms == pytest.approx(_naive_ms(lambda: model(batch)), rel=0.5)
+
+
+def test_a_cost_model_file_is_read_by_pattern_and_bad_ones_are_refused_in_one_line(tmp_path):
+    import json
+
+    from latte_plugin.calibration.cost import load_cost_model
+
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"exact_ms": 30.0, "layers_ms": {"layers.0.attn": {"exact": 9.0, "latte": 1.0},
+                                                                "layers.*": {"exact": 5.0, "piecewise@2": 2.0}}}))
+    cost = load_cost_model(str(path), ["layers.0.attn", "layers.1.attn"])
+    assert cost.layers == {"layers.0.attn": {"exact": 9.0, "latte": 1.0}, "layers.1.attn": {"exact": 5.0, "piecewise@2": 2.0}}
+    assert cost.predicted_speedup({"layers.0.attn": "latte", "layers.1.attn": "piecewise@2"}) == pytest.approx(30 / 19)
+    with pytest.raises(ValueError, match=r"cost.json: no entry names or matches layer 'encoder.x'"):
+        load_cost_model(str(path), ["encoder.x"])
+    path.write_text(json.dumps({"exact_ms": 30.0, "layers_ms": {"*": {"exact": 1.0, "fast": 0.5}}}))
+    with pytest.raises(ValueError, match=r"unknown mode\(s\) \['fast'\]"):
+        load_cost_model(str(path), ["a"])
+    path.write_text("{")
+    with pytest.raises(ValueError, match="cost.json: not a cost model"):
+        load_cost_model(str(path), ["a"])

@@ -140,6 +140,10 @@ class LatteConfig:
                                           "block count) with the lowest cross-fitted distortion whose speed-up, "
                                           "from the layers' timed costs, is at least this (implies "
                                           "choose_for=speed; ratio and num_linear are then ignored)")
+    cost_model: Optional[str] = _opt(None, "a JSON cost model to choose for speed with instead of timing the layers "
+                                           "here (measured on the deployment machine): {\"exact_ms\": end-to-end ms, "
+                                           "\"layers_ms\": {layer or fnmatch pattern: {mode: ms}}}, e.g. a report's "
+                                           "speed.cost")
     choose_for: str = _opt("count", "what the selection optimises: count (a layer count: ratio, num_linear, or "
                                     "the most layers within target; the paper's protocol) or speed (per-layer modes "
                                     "for speedup, or the highest predicted speed-up within target)", CHOOSE_FOR)

@@ -10,6 +10,8 @@ assignment (:func:`measured_speedup`) is reported beside the prediction.
 """
 from __future__ import annotations
 
+import fnmatch
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,11 +27,12 @@ from .config import PIECEWISE_TOPS
 from .taps import exact_taps
 
 __all__ = ["CallShape", "CostModel", "call_shapes", "layer_modes", "time_ms", "time_layer", "measure_costs",
-           "measured_speedup", "EXACT", "LATTE", "piecewise_mode", "mode_top"]
+           "measured_speedup", "load_cost_model", "EXACT", "LATTE", "piecewise_mode", "mode_top"]
 
 EXACT, LATTE = "exact", "latte"
-#: Timed repetitions (medians) of one layer call and of one model forward.
-LAYER_REPS, MODEL_REPS = 5, 5
+#: Timed repetitions (medians) of one layer call and of one model forward; a layer's calls are
+#: repeated until they took LAYER_MIN_MS together.
+LAYER_REPS, MODEL_REPS, LAYER_MIN_MS = 5, 5, 50.0
 
 
 def piecewise_mode(top: int) -> str:
@@ -87,12 +90,13 @@ def layer_modes(calls: Sequence[CallShape], block: int, order: str, tops: Sequen
     return modes + [piecewise_mode(t) for t in tops if t < most]
 
 
-def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``reps`` runs after ``warmup`` runs."""
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1, min_ms: float = 0.0, max_reps: int = 64) -> float:
+    """Median wall time of ``fn()`` in milliseconds over at least ``reps`` runs after ``warmup``
+    runs, more (up to ``max_reps``) until the runs took ``min_ms`` together (short calls are noisy)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(max(1, reps)):
+    times: list[float] = []
+    while len(times) < max(1, reps) or (sum(times) < min_ms and len(times) < max_reps):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -133,7 +137,7 @@ def time_layer(layer: LatteParams, calls: Sequence[CallShape], modes: Sequence[s
     try:
         for mode in [EXACT, *modes]:
             _set_mode(layer, mode, knobs)
-            out[mode] = sum(time_ms(lambda a=a: layer.attend(*a), reps) for a in inputs)
+            out[mode] = sum(time_ms(lambda a=a: layer.attend(*a), reps, min_ms=LAYER_MIN_MS) for a in inputs)
     finally:
         restore_layer_states({"l": layer}, saved)
     return out
@@ -215,3 +219,35 @@ def measured_speedup(forward: Callable[[], Any], switch: Callable[[bool], None],
     switch(True)
     e, h = statistics.median(exact), statistics.median(hybrid)
     return {"exact_ms": e, "hybrid_ms": h, "speedup": e / h if h > 0 else float("nan")}
+
+
+def load_cost_model(path: str, layers: Sequence[str]) -> CostModel:
+    """A :class:`CostModel` from a JSON file (``{"exact_ms": float, "layers_ms": {layer or fnmatch
+    pattern: {mode: ms}}}``, e.g. a report's ``speed.cost``): each layer takes the first key that
+    names or matches it.
+
+    Raises:
+        ValueError: an unreadable file, or a layer no key matches (named, with the file).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        exact_ms, table = float(data["exact_ms"]), dict(data["layers_ms"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cost_model {path}: not a cost model ({e}); give {{\"exact_ms\": ..., \"layers_ms\": "
+                         "{layer: {mode: ms}}}, e.g. a report's speed.cost") from None
+    out = {}
+    for n in layers:
+        key = n if n in table else next((k for k in table if fnmatch.fnmatchcase(n, k)), None)
+        if key is None:
+            raise ValueError(f"cost_model {path}: no entry names or matches layer '{n}'; add it (or a pattern) "
+                             "under layers_ms")
+        if EXACT not in table[key]:
+            raise ValueError(f"cost_model {path}: layers_ms['{key}'] has no 'exact' time")
+        bad = [m for m in table[key] if m not in (EXACT, LATTE) and not (m.startswith("piecewise@")
+                                                                         and m.split("@", 1)[1].isdigit())]
+        if bad:
+            raise ValueError(f"cost_model {path}: layers_ms['{key}'] has unknown mode(s) {bad}; modes are exact, "
+                             "latte and piecewise@<top>")
+        out[n] = {m: float(v) for m, v in table[key].items()}
+    return CostModel(exact_ms, out)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..nn.install import find_latte_layers, layer_states, restore_layer_states, set_modes
 from .compensate import compensate_layers
-from .cost import CostModel, measure_costs, measured_speedup
+from .cost import CostModel, load_cost_model, measure_costs, measured_speedup
 from .config import LatteConfig, num_linear_layers
 from .context import ROLES, CalibrationRun, Host, Measure
 from .corrections import CorrectionTable, FitOptions, LayerRecords, set_correction
@@ -135,7 +135,9 @@ def _fit_and_search(run: CalibrationRun, counts: Sequence[int]) -> _Fitted:
 
 def _shared_costs(run: CalibrationRun) -> CostModel:
     """The cost model at this rank's first calibration batch, averaged across ranks (every rank
-    must choose the same assignment)."""
+    must choose the same assignment); or the user's ``cost_model`` file."""
+    if run.cfg.cost_model:
+        return load_cost_model(run.cfg.cost_model, list(run.layers))
     knobs = {"block": run.cfg.piecewise_block, "order": run.cfg.piecewise_order, "rest": run.cfg.piecewise_rest}
     cost = measure_costs(run.layers, run.split.used[0][1], run.forward, knobs)
     keys = [(n, m) for n, c in cost.layers.items() for m in c]
