@@ -21,6 +21,7 @@ import sys
 from typing import Callable
 
 from experiments.readme_tables_piecewise import TABLES as PIECEWISE_TABLES
+from experiments.readme_tables_speed import TABLES as SPEED_TABLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
@@ -385,6 +386,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "example_hf_vit": example_output,
 }
 TABLES.update(PIECEWISE_TABLES)
+TABLES.update(SPEED_TABLES)
 
 
 def render(text: str) -> str:
