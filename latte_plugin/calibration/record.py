@@ -259,7 +259,7 @@ def record_layers(run: CalibrationRun, group: list[str], desc: str) -> dict[str,
     of such a layer stops each forward after it.
     """
     cfg, layers = run.cfg, run.layers
-    pool = cfg.piecewise_block if cfg.kernel != "latte" else 0
+    pool = cfg.piecewise_block if cfg.kernel != "latte" or cfg.for_speed else 0
     recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed, pool_block=pool,
                                     pool_order=cfg.piecewise_order) for n in group}
             for role in ROLES}
