@@ -103,8 +103,8 @@ def vit_goals(points: list[dict]) -> str:
     return "Goals. " + "; ".join(lines) + "."
 
 
-def predict_table() -> str:
-    """Predicted against measured on each architecture the benchmark ran."""
+def predict_rows() -> tuple[list[list], float]:
+    """The predicted-against-measured rows of every committed file, and the largest error."""
     rows, worst = [], 0.0
     files = [f for f in PREDICT_FILES if _load(f)] + [t for (_, _), (_, t) in VIT_RUNS.items() if _load(t)]
     for name in files:
@@ -112,6 +112,12 @@ def predict_table() -> str:
             worst = max(worst, abs(r["error"]))
             rows.append([r["model"], r["side"], r["row"], _modes(r["assignment"]), _x(r["predicted_speedup"]),
                          _x(r["measured_speedup"]), f"{100 * r['error']:+.0f}%"])
+    return rows, worst
+
+
+def predict_table() -> str:
+    """Predicted against measured on each architecture the benchmark ran."""
+    rows, worst = predict_rows()
     if not rows:
         return "(no predicted-against-measured results committed yet)"
     head = ["model", "px", "assignment for", "modes", "predicted", "measured", "error"]
@@ -120,7 +126,17 @@ def predict_table() -> str:
             f"{verdict} (largest error {100 * worst:.0f}%).")
 
 
-TABLES = {"speed_vit": vit_table, "speed_predict": predict_table}
+def summary() -> str:
+    """The README's lines: each size's goal, and the prediction's."""
+    points = vit_points()
+    rows, worst = predict_rows()
+    head = vit_goals(points) if points else "Goals: not measured yet."
+    return head + (f" Prediction within {100 * ERROR_GOAL:.0f}% of measured: {'met' if worst <= ERROR_GOAL else 'missed'} "
+                   f"(largest error {100 * worst:.0f}% over {len(rows)} assignments on "
+                   f"{len({r[0] for r in rows})} models)." if rows else "")
+
+
+TABLES = {"speed_vit": vit_table, "speed_predict": predict_table, "speed_summary": summary}
 
 
 def plot(path: str) -> Optional[str]:
