@@ -241,7 +241,9 @@ def assemble_report(res: dict, reps: dict, rows: list, default, a: argparse.Name
     metrics = {name: {k: r.get(k) for k in ("bbox_mAP", "bbox_mAP_50", "retained", "linear", "attention_gflops",
                                             "encoder_latency_ratio", "heldout_distortion", "heldout_fidelity",
                                             "heldout_mse", "weakest_signal", "calibration_seconds",
-                                            "calibration_shared_with")}
+                                            "calibration_shared_with", "predicted_speedup", "measured_speedup",
+                                            "refused") if k in r or k not in ("predicted_speedup", "measured_speedup",
+                                                                              "refused")}
                for name, r in res.items()}
     if "exact" in res and default in res:
         metrics["linearized"] = dict(metrics[default])
@@ -251,7 +253,8 @@ def assemble_report(res: dict, reps: dict, rows: list, default, a: argparse.Name
     report["metrics"] = metrics
     report["rows"] = {r.name: {"changes": r.changes, "kind": r.kind, "linearized": res[r.name]["linearized"]}
                       for r in rows}
-    report["row_reports"] = {k: {kk: v[kk] for kk in ("sensitivity", "linearized", "params", "fit", "selection")}
+    report["row_reports"] = {k: {kk: v[kk] for kk in ("sensitivity", "linearized", "params", "fit", "selection", "speed")
+                                 if kk in v}
                              for k, v in reps.items()}
     report.update(config=a.config, checkpoint=a.checkpoint, seconds=time.time() - t0)
     return report

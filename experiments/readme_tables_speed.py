@@ -60,6 +60,11 @@ def vit_points() -> list[dict]:
             if row == "linearized":
                 continue
             t = measured.get(row, {})
+            if m.get("refused"):
+                out.append({"side": side, "split": split, "row": row, "refused": m["refused"], "kept": None,
+                            "mAP": None, "assignment": {}, "predicted_calibration": None, "predicted": None,
+                            "measured": None})
+                continue
             out.append({"side": side, "split": split, "row": row, "kept": m.get("retained"), "mAP": m.get("bbox_mAP"),
                         "assignment": t.get("assignment", {}), "linear": m.get("linear"),
                         "predicted_calibration": m.get("predicted_speedup"),
@@ -77,6 +82,7 @@ def vit_table() -> str:
     if not points:
         return "(no speed results committed yet: run the commands in docs/results.md#speed)"
     rows = [[f"{p['side']} ({TOKENS[p['side']]:,})", p["split"], ROW_NAMES.get(p["row"], p["row"]),
+             "refused: " + p["refused"].split(": ", 1)[-1] if p.get("refused") else
              _modes(p["assignment"]) if p["row"] != "exact" else "all exact",
              f"{p['mAP']:.3f} ({100 * p['kept']:.1f}%)" if p["kept"] is not None else "-",
              _x(p["predicted_calibration"]), _x(p["predicted"]), _x(p["measured"])] for p in points]

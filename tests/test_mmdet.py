@@ -208,8 +208,15 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path, monkeypatch):
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = main_job.main(["--config", str(cfg_path), "--checkpoint", "none", "--work-dir", str(tmp_path / "job"),
-                            "--rows", "exact", "uniform", "latte", "ours:greedy@83%", "--timing-reps", "2"])
+                            "--rows", "exact", "uniform", "latte", "ours:greedy@83%", "ours:speedup=1.0", "ours:speedup=99",
+                            "--timing-reps", "2", "--results", str(tmp_path / "results.json")])
     m = report["metrics"]
+    # speed rows: one chooses modes (1x is always reachable), one is refused in its row, not the job
+    assert m["ours:speedup=1.0"]["predicted_speedup"] >= 1.0 and m["ours:speedup=1.0"]["measured_speedup"] > 0
+    assert "largest predicted end-to-end speed-up" in m["ours:speedup=99"]["refused"]
+    saved = json.load(open(tmp_path / "results.json"))
+    assert saved["choices"]["ours:speedup=1.0"]["speed"]["front"] and "ours:speedup=99" not in saved["choices"]
+    m = {k: v for k, v in m.items() if not k.startswith("ours:speedup=")}
     assert set(m) >= {"exact", "uniform", "latte", "ours:greedy@83%", "linearized"}
     assert m["uniform"]["linear"] == "6/6" and m["latte"]["linear"] == "4/6" and m["ours:greedy@83%"]["linear"] == "5/6"
     assert m["uniform"]["attention_gflops"] < m["latte"]["attention_gflops"] < m["exact"]["attention_gflops"]
