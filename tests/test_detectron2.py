@@ -220,7 +220,8 @@ def test_detectron2_launch_two_processes_matches_one(train_split_of_12, tmp_path
         torch.testing.assert_close(a["state"][k], v, atol=1e-5, rtol=0, msg=k)
 
 
-@pytest.mark.parametrize("name,count", [("cond_detr_r18_synthetic_latte.py", 6), ("rtdetr_r18_synthetic_latte.py", 7)])
+@pytest.mark.parametrize("name,count", [("cond_detr_r18_synthetic_latte.py", 6), ("rtdetr_r18_synthetic_latte.py", 7),
+                                        ("deimv2_vit6_synthetic_latte.py", 10)])
 def test_embedded_lazyconfigs_build_with_latte(synthetic_data, name, count):
     """The embedded detectron2 LazyConfigs instantiate with their LATTE candidates swapped in."""
     from detectron2.config import LazyConfig, instantiate
