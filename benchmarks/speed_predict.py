@@ -113,6 +113,16 @@ def fewest_layers(cost, speedup: str) -> dict:
     return dict(choose_point(points, speedup=float(speedup)).assignment)
 
 
+def _reachable(cost, speedup: str) -> dict:
+    """:func:`fewest_layers`, or ``{}`` where the target is above what the cost model offers."""
+    from latte_plugin.calibration.front import SpeedupUnreachable
+
+    try:
+        return fewest_layers(cost, speedup)
+    except SpeedupUnreachable:
+        return {}
+
+
 def calibrated_assignments(path: str) -> dict[str, dict]:
     """``{row: {layer: mode}}`` of a main job's results file (mmdet's ``hf.`` prefix dropped)."""
     with open(path, encoding="utf-8") as f:
@@ -150,9 +160,11 @@ def main(argv=None) -> dict:
     for side in a.sizes:
         cost = cost_model(a.family, side, a.threads, a.hf_config)
         wanted = calibrated_assignments(a.from_results) if a.from_results else {
-            f"speedup={s}": fewest_layers(cost, s) for s in a.speedups}
+            f"speedup={s}": _reachable(cost, s) for s in a.speedups}
         for name, assignment in wanted.items():
             if not assignment:
+                print(f"{a.label or a.family} {side}px {name}: nothing to time (all exact, or above the "
+                      f"{cost.predicted_speedup(cost.fastest()):.2f}x the cost model offers)", flush=True)
                 continue
             got = measure(a.family, side, assignment, a.reps, a.threads, a.hf_config)
             pred = cost.predicted_speedup(assignment)

@@ -139,7 +139,7 @@ def summary() -> str:
     head = vit_goals(points) if points else "Goals: not measured yet."
     return head + (f" Prediction within {100 * ERROR_GOAL:.0f}% of measured: {'met' if worst <= ERROR_GOAL else 'missed'} "
                    f"(largest error {100 * worst:.0f}% over {len(rows)} assignments on "
-                   f"{len({r[0] for r in rows})} models)." if rows else "")
+                   f"{len({r[0].split(' (')[0] for r in rows})} model(s))." if rows else "")
 
 
 TABLES = {"speed_vit": vit_table, "speed_predict": predict_table, "speed_summary": summary}
@@ -175,7 +175,7 @@ def plot(path: str) -> Optional[str]:
         ax.set_ylabel("% of exact bbox mAP kept")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle("Embedded ViT DEIMv2: modes chosen for speed (goal: dashed / dotted)")
+    fig.suptitle("ViT DEIMv2, modes for speed (goals dashed/dotted)", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
