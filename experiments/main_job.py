@@ -151,10 +151,12 @@ def run(a: argparse.Namespace) -> dict:
 
     t0 = time.time()
     runner, base, batches = build(a)
-    rows = [named_row(n) for n in a.rows] if a.rows else list(ROWS)
-    if None in rows:
-        raise SystemExit(f"--rows: unknown row {a.rows[rows.index(None)]!r}; see python -m experiments.main_job_rows, or "
-                         "ours:speedup=X")
+    unknown = [n for n in (a.rows or []) if named_row(n) is None]
+    if unknown:
+        raise SystemExit(f"--rows: unknown row {unknown[0]!r}; see python -m experiments.main_job_rows, or ours:speedup=X")
+    # the table keeps ROWS' order; speed rows follow in the order given
+    rows = [r for r in ROWS if not a.rows or r.name in a.rows] + [
+        named_row(n) for n in (a.rows or []) if all(r.name != n for r in ROWS)]
     ckpt_path = os.path.join(a.work_dir, CKPT_NAME)
     default = DEFAULT_ROW if any(r.name == DEFAULT_ROW for r in rows) else next(
         (r.name for r in rows if r.kind == "latte"), None)
