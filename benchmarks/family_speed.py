@@ -136,6 +136,17 @@ def measure(family: str, side: int, setting: str, reps: int, threads: int, extra
     return row
 
 
+def write_rows(rows: list[dict], module: str, argv, path: Optional[str]) -> dict:
+    """``{"rows", "command", "machine"}`` of a benchmark run, written atomically to ``path`` if given."""
+    out = {"rows": rows, "command": f"python -m {module} " + shlex.join(argv or sys.argv[1:]),
+           "machine": f"{os.cpu_count()} CPU cores"}
+    if path:
+        from latte_plugin.storage import atomic_write_json
+
+        atomic_write_json(out, path)
+    return out
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -192,12 +203,7 @@ def main(argv=None) -> dict:
             r = rows[-1]
             print(f"{a.family} {side}px {setting:5s} {r['seconds']:.3f} s  attention {r['attention_share']:.0%}  "
                   f"RSS {r['peak_rss_gib']:.2f} GiB", flush=True)
-    out = {"rows": rows, "command": "python -m benchmarks.family_speed " + shlex.join(argv or sys.argv[1:]),
-           "machine": f"{os.cpu_count()} CPU cores"}
-    if a.json:
-        from latte_plugin.storage import atomic_write_json
-
-        atomic_write_json(out, a.json)
+    out = write_rows(rows, "benchmarks.family_speed", argv, a.json)
     if a.plot:
         plot(rows, a.plot)
     return out

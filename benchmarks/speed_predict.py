@@ -174,13 +174,9 @@ def main(argv=None) -> dict:
             r = rows[-1]
             print(f"{r['model']} {side}px {name:22s} {len(assignment):2d} layers  predicted {pred:.2f}x  measured "
                   f"{got['measured_speedup']:.2f}x  ({100 * r['error']:+.0f}%)", flush=True)
-    out = {"rows": rows, "command": "python -m benchmarks.speed_predict " + shlex.join(argv or sys.argv[1:]),
-           "machine": f"{os.cpu_count()} CPU cores"}
-    if a.json:
-        from latte_plugin.storage import atomic_write_json
+    from benchmarks.family_speed import write_rows
 
-        atomic_write_json(out, a.json)
-    return out
+    return write_rows(rows, "benchmarks.speed_predict", argv, a.json)
 
 
 if __name__ == "__main__":
