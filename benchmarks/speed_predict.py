@@ -30,6 +30,8 @@ import time
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The piecewise knobs of the package defaults (LatteConfig), for timing and for the assignments.
+KNOBS = {"block": 64, "order": "similarity", "rest": "latte"}
 
 
 def build(family: str, side: int, hf_config: Optional[str]):
@@ -40,18 +42,15 @@ def build(family: str, side: int, hf_config: Optional[str]):
 
 
 def apply_assignment(model, assignment: dict) -> None:
-    """Puts each named layer in its mode (``latte`` or ``piecewise@<top>``), the others exact."""
-    from latte_plugin.calibration.cost import mode_top
+    """Puts each named layer in its mode (``latte`` or ``piecewise@<top>``: the calibration's
+    ``cost.set_mode``, the defaults' block, order and rest), the others exact."""
+    from latte_plugin.calibration.cost import set_mode
     from latte_plugin.nn.install import find_latte_layers, set_modes
 
     layers = find_latte_layers(model)
+    set_modes(layers, [])
     for name, mode in assignment.items():
-        top = mode_top(mode)
-        if top is None:
-            layers[name].kernel = "latte"
-        else:
-            layers[name].set_piecewise(top, 1.0, "latte", 64, "similarity")
-    set_modes(layers, list(assignment))
+        set_mode(layers[name], mode, KNOBS)
 
 
 def run_point(family: str, side: int, assignment: dict, reps: int, threads: int, hf_config: Optional[str]) -> dict:
@@ -97,8 +96,7 @@ def cost_model(family: str, side: int, threads: int, hf_config: Optional[str]):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, forward, _ = build(family, side, hf_config)
-    knobs = {"block": 64, "order": "similarity", "rest": "latte"}
-    return measure_costs(find_latte_layers(model), None, lambda _b: forward(), knobs)
+    return measure_costs(find_latte_layers(model), None, lambda _b: forward(), KNOBS)
 
 
 def fewest_layers(cost, speedup: str) -> dict:

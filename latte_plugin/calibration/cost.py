@@ -27,7 +27,7 @@ from .config import PIECEWISE_TOPS
 from .taps import exact_taps
 
 __all__ = ["CallShape", "CostModel", "call_shapes", "layer_modes", "time_ms", "time_layer", "measure_costs",
-           "measured_speedup", "load_cost_model", "EXACT", "LATTE", "piecewise_mode", "mode_top"]
+           "measured_speedup", "load_cost_model", "set_mode", "EXACT", "LATTE", "piecewise_mode", "mode_top"]
 
 EXACT, LATTE = "exact", "latte"
 #: Timed repetitions (medians) of one layer call and of one model forward; a layer's calls are
@@ -103,7 +103,7 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1, min_ms: float = 0
     return statistics.median(times)
 
 
-def _set_mode(layer: LatteParams, mode: str, knobs: Mapping[str, Any]) -> None:
+def set_mode(layer: LatteParams, mode: str, knobs: Mapping[str, Any]) -> None:
     """Puts ``layer`` in ``mode`` (piecewise with the layer's block, order and rest, gamma 1: the
     cost does not depend on gamma)."""
     if mode == EXACT:
@@ -136,7 +136,7 @@ def time_layer(layer: LatteParams, calls: Sequence[CallShape], modes: Sequence[s
     out = {}
     try:
         for mode in [EXACT, *modes]:
-            _set_mode(layer, mode, knobs)
+            set_mode(layer, mode, knobs)
             out[mode] = sum(time_ms(lambda a=a: layer.attend(*a), reps, min_ms=LAYER_MIN_MS) for a in inputs)
     finally:
         restore_layer_states({"l": layer}, saved)
