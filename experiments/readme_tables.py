@@ -324,7 +324,7 @@ def sweep_table() -> str:
 
     entries = sweep_report.load_entries(RESULTS)
     cmds = sorted({_load(os.path.basename(p))["command"] for p in sweep_report.glob.glob(
-        os.path.join(RESULTS, "sweep_defaults_*.json"))})
+        os.path.join(RESULTS, f"{sweep_report.FILES}_*.json"))})
     return sweep_report.table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
 
 

@@ -38,6 +38,8 @@ CANDIDATES = ["encoder.layers.*.self_attn"]
 PAPER = {"selection": "score", "holdout": 0.0, "correction": "sigma", "compensate": "never"}
 #: The defaults before issue 26: fixed greedy + ridge refit, no compensation, a quarter of the images held out.
 PREVIOUS = {"selection": "greedy", "correction": "refit", "compensate": "never", "holdout": 0.25}
+#: the choice rule before the evidence reference (the paper's protocol as its reference)
+EARLIER = {"reference": "paper"}
 ROWS = [("exact", None), ("uniform", None),
         ("paper latte", dict(PAPER)), ("paper qtvit", dict(PAPER, variant="qtvit")),
         ("previous defaults", dict(PREVIOUS)),

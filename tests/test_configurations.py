@@ -105,7 +105,8 @@ def test_the_papers_protocol_is_kept_when_it_is_the_better_configuration(monkeyp
                                       correction="sigma", compensate="never"), log=lambda s: None)
     cmp = rep["selection"]["comparison"]
     assert "layers.0.attn" not in rep["linearized"]
-    assert cmp["reference"] == "score+sigma" == rep["selection"]["configuration"] == cmp["best"]
+    # the reference (the evidence's greedy, with the user's sigma) loses clearly: the rule moves to the paper's
+    assert cmp["reference"] == "greedy+sigma" and "score+sigma" == rep["selection"]["configuration"] == cmp["best"]
     assert cmp["losses"]["score+sigma"] < cmp["losses"]["greedy+sigma"]
     layers = find_latte_layers(model)
     after = output_distortion(layers, list(enumerate(toy_batches(n=8, seed=5))), lambda b: model(b), lambda t: t)
@@ -151,9 +152,10 @@ def test_a_near_tie_on_the_toy_encoder_keeps_the_reference():
     """Every configuration with the same linear set and rule ties: the reference is kept."""
     _, rep = _run_toy(ratio=0.5, correction="sigma", selection="auto", compensate="never")
     cmp = rep["selection"]["comparison"]
-    same = [n for n, v in cmp["losses"].items() if v == cmp["losses"]["score+sigma"]]
+    same = [n for n, v in cmp["losses"].items() if v == cmp["losses"][cmp["reference"]]]
+    assert cmp["reference"] == "greedy+sigma"  # the evidence reference with the user's rule
     if cmp["best"] in same:
-        assert rep["selection"]["configuration"] == "score+sigma"
+        assert rep["selection"]["configuration"] == cmp["reference"]
     assert rep["selection"]["configuration"] in (cmp["reference"], cmp["best"])
 
 
@@ -166,8 +168,9 @@ def test_a_compensation_that_breaks_the_target_is_dropped(monkeypatch, target_lo
 
     def verdict(halves, measure, corrections, key, layers):
         if measure.name == "fidelity":
-            return Verdict(target_loss, torch.zeros(1))
-        return Verdict(0.5 if key.endswith("+compensation") else 1.0, torch.zeros(1))
+            return Verdict(target_loss, torch.full((8,), target_loss))
+        loss = 0.5 if key.endswith("+compensation") else 1.0  # half the loss on each of 8 images: a clear gain
+        return Verdict(loss, torch.tensor([loss * (1 + 0.01 * i * (-1) ** i) for i in range(8)]))
 
     monkeypatch.setattr(flow, "on_every_image", verdict)
     monkeypatch.setattr(flow, "compensate_layers", lambda run, chosen, targets: ({"a": {}}, {"a": "compensated"}))
@@ -202,8 +205,7 @@ def test_target_is_rejudged_after_compensation():
     sel = rep["selection"]
     comp = sel.get("compensation")
     if comp is not None and "target_loss" in comp:
-        assert comp["kept"] == (comp["target_loss"] <= 0.05 and
-                                comp["crossfit_distortion"]["compensated"] < comp["crossfit_distortion"]["plain"])
+        assert comp["kept"] == (comp["target_loss"] <= 0.05 and comp["gain"] > comp["z"] * comp["standard_error"])
     assert sel["k"] == len(rep["linearized"])
     if rep["linearized"]:
         assert sel["heldout"]["kind"] == "cross-fitted"

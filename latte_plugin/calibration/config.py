@@ -17,7 +17,7 @@ from ..ops import BACKENDS, ORDERS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
 __all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES",
            "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
-           "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
+           "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "EVIDENCE_SELECTIONS", "EVIDENCE_REFERENCE", "REFERENCES", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
            "PIECEWISE_SLACK", "num_linear_layers"]
 
 #: Layer selections; ``auto`` compares the others as parts of whole configurations, judged end to
@@ -71,8 +71,22 @@ PIECEWISE_GAMMAS = (1.0, 1.5, 2.0, 3.0, 5.0, 8.0)
 PIECEWISE_SLACK = 1.1
 
 
-#: Selections compared by ``selection='auto'``, the paper's score first (it wins ties).
+#: Selections compared by ``selection='auto'`` under ``reference='paper'``, the paper's score first
+#: (it wins ties).
 AUTO_SELECTIONS = ("score", "greedy", "backward")
+#: Selections compared by ``selection='auto'`` under ``reference='evidence'`` (the default): the
+#: backward search is dropped, its sets equalled the greedy search's in the design calibrations
+#: (``python -m experiments.reference_evidence``); greedy first (it wins ties).
+EVIDENCE_SELECTIONS = ("greedy", "score")
+#: The reference of ``reference='evidence'``: the (selection, correction) pair of lowest mean
+#: cross-fitted judge loss relative to each calibration's best, over the design calibrations of
+#: both 256 px detectors at 8-64 images (``python -m experiments.reference_evidence``; judge
+#: losses only, no val mAP). Where the user fixes one of the two, the reference takes the user's.
+EVIDENCE_REFERENCE = ("greedy", "refit")
+#: What the noise rule of the configuration choice measures against: ``evidence`` (the reference
+#: above, a moderated standard error, and compensation under the same rule) or ``paper`` (the
+#: paper's score with sigma as reference, the plain standard error: the rule before issue 39).
+REFERENCES = ("evidence", "paper")
 
 
 def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> Any:
@@ -125,9 +139,15 @@ class LatteConfig:
                                    "keeps it only if the judge's cross-fitted loss is lower", COMPENSATE)
     selection: str = _opt("auto", "greedy (add the layer that hurts the final output least), backward (start "
                                   "all-linear, restore the most harmful), score (the paper's per-layer score), or "
-                                  "auto (compare them, each with every correction rule, end to end by cross-fitting; "
-                                  "the paper's score with sigma is kept unless another wins by more than its noise)",
+                                  "auto (compare greedy and score, each with every correction rule, end to end by "
+                                  "cross-fitting; the reference is kept unless another wins by more than its noise)",
                           SELECTIONS)
+    reference: str = _opt("evidence", "what a configuration must beat, by more than its noise, to be chosen under "
+                                      "selection=auto or correction=auto: evidence (greedy with refit, the pair that "
+                                      "judged best across the design calibrations; the noise from a standard error "
+                                      "shrunk toward the other candidates'; compensation under the same rule) or "
+                                      "paper (the paper's score with sigma, backward searched too, the plain standard "
+                                      "error: the earlier rule)", REFERENCES)
     judge: str = _opt("outputs", "what judges whole configurations and the compensation, cross-fitted: outputs (the "
                                  "raw-output MSE), detections (1 - agreement of the detections with the exact "
                                  "model's; detectors only), or auto (detections for detectors, else outputs)", JUDGES)
@@ -220,6 +240,8 @@ class LatteConfig:
             raise ValueError("give speedup= or target=, not both: one is the constraint, the other is optimised")
         if self.compensate not in COMPENSATE:
             raise ValueError(f"compensate must be one of {', '.join(COMPENSATE)}, got {self.compensate!r}")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
         if self.judge not in JUDGES:
             raise ValueError(f"judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
         if self.calibrate not in CALIBRATE:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 from torch import Tensor
 
 from ..nn.params import LatteParams
-from .config import AUTO_SELECTIONS, CORRECTION_RULES, LatteConfig
+from .config import AUTO_SELECTIONS, CORRECTION_RULES, EVIDENCE_REFERENCE, EVIDENCE_SELECTIONS, LatteConfig
 
 __all__ = ["AllReduce", "no_reduce", "Progress", "no_progress", "Measure", "Host", "ROLES", "CalibrationSplit",
            "RunCaches", "CalibrationRun"]
@@ -166,4 +166,18 @@ class CalibrationRun:
     @property
     def methods(self) -> tuple:
         """The selection methods whole configurations compare (the user's, or all with ``auto``)."""
-        return AUTO_SELECTIONS if self.cfg.selection == "auto" else (self.cfg.selection,)
+        if self.cfg.selection != "auto":
+            return (self.cfg.selection,)
+        return AUTO_SELECTIONS if self.cfg.reference == "paper" else EVIDENCE_SELECTIONS
+
+    @property
+    def reference(self) -> str:
+        """The configuration the noise rule keeps unless another clearly wins: the first pair with
+        ``reference='paper'``; else :data:`~.config.EVIDENCE_REFERENCE`, with the user's own
+        selection or correction where they fixed one."""
+        methods, rules = self.methods, self.rules
+        if self.cfg.reference == "paper":
+            return f"{methods[0]}+{rules[0]}"
+        method = EVIDENCE_REFERENCE[0] if EVIDENCE_REFERENCE[0] in methods else methods[0]
+        rule = EVIDENCE_REFERENCE[1] if EVIDENCE_REFERENCE[1] in rules else rules[0]
+        return f"{method}+{rule}"

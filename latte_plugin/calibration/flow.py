@@ -23,13 +23,13 @@ from .config import LatteConfig, num_linear_layers
 from .context import ROLES, CalibrationRun, Host, Measure
 from .corrections import CorrectionTable, FitOptions, LayerRecords, set_correction
 from .fit import fit_records
-from .judge import (CrossFitJudge, HalfSearch, across_halves, configuration_judge, fold_assignment, measured, merged,
+from .judge import (CrossFitJudge, HalfSearch, Verdict, across_halves, configuration_judge, fold_assignment, measured, merged,
                     on_every_image, output_distortion, split_calibration)
 from .measures import RawDistortion
 from .record import record_layers
 from .report import ShareResult, build_report, fit_entry
-from .select import (Configuration, candidate_sets, choose_configuration, configuration_name, score_stats, scores,
-                     select_by_score, summed_stats, target_count, trace_up_to)
+from .select import (NOISE_Z, Configuration, candidate_sets, choose_configuration, configuration_name, paired_gain,
+                     score_stats, scores, select_by_score, summed_stats, target_count, trace_up_to)
 from .signal import attention_signal
 from .speed import check_reachable, fit_modes, install_assignment, speed_front
 
@@ -296,8 +296,8 @@ def _configure_speed(run: CalibrationRun, fitted: _Fitted, signal: Optional[dict
 def _select_configuration(run: CalibrationRun, fitted: _Fitted, ks: Sequence[int], k: int) -> tuple[Configuration, dict]:
     """The configuration to apply (its layers are set by :func:`_final_set`) and how it was
     chosen (``docs/method.md#configurations``): every (method, rule) pair judged across the
-    halves, and :func:`choose_configuration` keeps the paper's choice unless another gains more
-    than its noise. With ``target``, the count is the largest where some method's pair with
+    halves, and :func:`choose_configuration` keeps the reference (``run.reference``) unless
+    another gains more than its noise. With ``target``, the count is the largest where some method's pair with
     the user's rule is within the target, and only pairs within it compete."""
     cfg, pairs = run.cfg, [(m, r) for m in run.methods for r in run.rules]
     halves, corrections = fitted.halves, fitted.corrections
@@ -314,7 +314,8 @@ def _select_configuration(run: CalibrationRun, fitted: _Fitted, ks: Sequence[int
     verdicts = {configuration_name(m, r): across_halves(halves, measure, corrections, r, m, k) for m, r in pairs}
     if cfg.target is not None:
         verdicts = {n: v for n, v in verdicts.items() if v.loss <= float(cfg.target)}
-    name, comparison = choose_configuration(verdicts)
+    reference = run.reference if run.reference in verdicts else next(iter(verdicts))
+    name, comparison = choose_configuration(verdicts, reference=reference, moderated=cfg.reference == "evidence")
     method, rule = next((m, r) for m, r in pairs if configuration_name(m, r) == name)
     comparison["layers"] = {configuration_name(m, r): [h.sets[(m, k)] for h in halves] for m, r in pairs}
     run.log(f"[latte] configuration: {name} (cross-fitted {measure.name}: "
@@ -347,7 +348,7 @@ def _choose_compensation(run: CalibrationRun, chosen: Configuration,
                          fitted: _Fitted) -> tuple[Configuration, CorrectionTable, dict, dict]:
     """Compensates the chosen layers (:func:`~.compensate.compensate_layers`) and, with
     ``compensate='auto'``, keeps it only if the hybrid's cross-fitted ``run.judge`` loss on every
-    fit and choice image is lower (ties keep the plain fit) and, with ``target``, its fidelity
+    fit and choice image is clearly lower (:func:`_compensation_gain`) and, with ``target``, its fidelity
     loss is still within the target (``docs/method.md#compensation``).
 
     Returns:
@@ -357,18 +358,29 @@ def _choose_compensation(run: CalibrationRun, chosen: Configuration,
     judge, halves = run.judge, fitted.halves
     compensated = replace(chosen, compensated=True)
     key = compensated.corrections_key
-    before = on_every_image(halves, judge, fitted.corrections[chosen.rule], chosen.rule, chosen.layers).loss
+    plain = on_every_image(halves, judge, fitted.corrections[chosen.rule], chosen.rule, chosen.layers)
     comp_fits, comp = compensate_layers(run, chosen, fitted.targets)
     corrections = fitted.corrections.with_rule(key, {**fitted.corrections[chosen.rule], **comp})
-    after = on_every_image(halves, judge, corrections[key], key, chosen.layers).loss
-    keep = run.cfg.compensate == "always" or after < before
-    info = {"crossfit_distortion": {"plain": before, "compensated": after}, "measure": judge.name}
+    after = on_every_image(halves, judge, corrections[key], key, chosen.layers)
+    before, gain = plain.loss, _compensation_gain(run.cfg, plain, after)
+    keep = run.cfg.compensate == "always" or gain["clear"]
+    info = {"crossfit_distortion": {"plain": before, "compensated": after.loss}, "measure": judge.name, **gain}
     if keep and run.cfg.target is not None and run.cfg.compensate == "auto":
         info["target_loss"] = on_every_image(halves, run.fidelity, corrections[key], key, chosen.layers).loss
         keep = info["target_loss"] <= float(run.cfg.target)  # re-judged: dropped if it breaks the budget
-    run.log(f"[latte] error compensation: cross-fitted {judge.name} {before:.4e} -> {after:.4e}: "
+    run.log(f"[latte] error compensation: cross-fitted {judge.name} {before:.4e} -> {after.loss:.4e}: "
             f"{'kept' if keep else 'not kept'}")
     return (compensated if keep else chosen), corrections, comp_fits, {**info, "kept": keep}
+
+
+def _compensation_gain(cfg: LatteConfig, plain: Verdict, compensated: Verdict) -> dict:
+    """Whether compensation clearly lowers the judge's loss: with ``reference='evidence'``, by
+    the configuration choice's noise rule (paired per-image log gain above ``NOISE_Z`` standard
+    errors); with ``reference='paper'``, by any margin (the earlier rule)."""
+    if cfg.reference == "paper":
+        return {"clear": compensated.loss < plain.loss}
+    gain, se = paired_gain(plain.per_image, compensated.per_image)
+    return {"clear": bool(gain > NOISE_Z * se), "gain": gain, "standard_error": se, "z": NOISE_Z}
 
 
 def _install_corrections(run: CalibrationRun, chosen: Configuration, corrections: CorrectionTable) -> dict[str, str]:

@@ -6,8 +6,9 @@
 * whole configurations as candidates (a selection method with a correction rule, optionally
   compensated), every one judged end to end by
   :class:`~latte_plugin.calibration.judge.CrossFitJudge` on the same images, image by image;
-  :func:`choose_configuration` moves away from the reference (the first candidate: the paper's
-  protocol when it is among them) only when the gain is larger than its noise.
+  :func:`choose_configuration` moves away from the reference (greedy with refit by default, chosen
+  from the design calibrations' judge losses; the paper's protocol under ``reference='paper'``)
+  only when the gain is larger than its noise.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from .taps import output_taps
 __all__ = ["naive_sensitivity_score", "SensitivityStats", "scores", "select_by_score", "greedy_select",
            "backward_select", "candidate_sets", "LastOutput", "summed_stats", "trace_up_to", "score_stats",
            "NOISE_Z", "Configuration", "configuration_name", "naive_paired_gain", "paired_gain",
-           "choose_configuration", "target_count"]
+           "choose_configuration", "target_count", "moderated_gains", "naive_moderated_gains"]
 
 
 def naive_sensitivity_score(a: Tensor, a_tilde: Tensor, lam: float = 10.0, eps: float = 1e-8) -> float:
@@ -313,27 +314,90 @@ def paired_gain(ref: Tensor, cand: Tensor) -> tuple[float, float]:
     return float(d.mean()), float(d.std(unbiased=True) / math.sqrt(d.numel()))
 
 
-def choose_configuration(verdicts: dict[str, Verdict], z: float = NOISE_Z) -> tuple[str, dict]:
-    """The configuration to keep, by the noise rule.
+def _log_ratios(ref: Tensor, cand: Tensor) -> Tensor:
+    """``log(ref / cand)`` per image, both floored by :func:`_floor` of the reference: ``(images,)``."""
+    eps = _floor(ref.tolist())
+    return torch.log((ref.double() + eps) / (cand.double() + eps))
 
-    The reference is the first candidate in ``verdicts``; the best is the one of lowest loss
-    (earlier wins ties). The best replaces the reference only if its paired per-image gain
-    (:func:`paired_gain`, log scale) exceeds ``z`` standard errors.
+
+def naive_moderated_gains(ref: Sequence[float], cands: Mapping[str, Sequence[float]]) -> dict[str, tuple[float, float]]:
+    """Reference for :func:`moderated_gains`, in plain Python."""
+    eps = _floor(list(ref))
+    diffs = {c: [math.log((r + eps) / (x + eps)) for r, x in zip(ref, v)] for c, v in cands.items()}
+    n = len(ref)
+    if n < 2:
+        return {c: ((d[0] if d else 0.0), math.inf) for c, d in diffs.items()}
+    var = {c: sum((x - sum(d) / n) ** 2 for x in d) / (n - 1) for c, d in diffs.items()}
+    informative = [var[c] for c, d in diffs.items() if any(x != 0.0 for x in d)]
+    pooled = sum(informative) / len(informative) if informative else None
+    return {c: (sum(d) / n, math.sqrt((var[c] if pooled is None else (var[c] + pooled) / 2) / n))
+            for c, d in diffs.items()}
+
+
+def moderated_gains(ref: Tensor, cands: Mapping[str, Tensor]) -> dict[str, tuple[float, float]]:
+    """Every candidate's paired per-image log gain over the reference (as :func:`paired_gain`),
+    with a standard error shrunk halfway toward the other candidates'.
+
+    With 8 images a sample variance has 7 degrees of freedom: one image can inflate or deflate
+    it by a factor of several. The candidates are judged on the same images against the same
+    reference, so their per-image variances estimate a shared noise level. Each candidate's
+    variance is averaged with the mean variance of every candidate that differs from the
+    reference on some image (those identical to it carry no noise evidence): the moderated
+    variance of empirical-Bayes tests, with the prior weighted as much as the candidate's own
+    images. With many images the two agree and the rule is the plain one.
 
     Args:
-        verdicts: ``{configuration name: Verdict}`` on the same judging images, reference first.
-        z: the noise rule's multiple of the standard error.
+        ref: ``(images,)`` the reference's per-image losses.
+        cands: ``{name: (images,)}`` each candidate's per-image losses on the same images.
 
     Returns:
-        ``(chosen name, {"reference", "best", "gain", "standard_error", "z", "losses"})``.
+        ``{name: (mean log ratio, moderated standard error)}``; the error is infinite with
+        fewer than two images.
     """
-    names = list(verdicts)
-    reference = names[0]
+    diffs = {c: _log_ratios(ref, v) for c, v in cands.items()}
+    n = ref.numel()
+    if n < 2:
+        return {c: (float(d.sum()), math.inf) for c, d in diffs.items()}
+    var = {c: float(d.var(unbiased=True)) for c, d in diffs.items()}
+    informative = [var[c] for c, d in diffs.items() if bool((d != 0).any())]
+    pooled = sum(informative) / len(informative) if informative else None
+    return {c: (float(d.mean()), math.sqrt((var[c] if pooled is None else (var[c] + pooled) / 2) / n))
+            for c, d in diffs.items()}
+
+
+def choose_configuration(verdicts: dict[str, Verdict], z: float = NOISE_Z, reference: Optional[str] = None,
+                         moderated: bool = False) -> tuple[str, dict]:
+    """The configuration to keep, by the noise rule (``docs/method.md#configurations``).
+
+    The best is the candidate of lowest loss (the reference wins ties, then the earlier). The
+    best replaces the reference only if its paired per-image log gain exceeds ``z`` standard
+    errors: the plain one of :func:`paired_gain`, or with ``moderated`` the one of
+    :func:`moderated_gains` (shrunk toward the other candidates').
+
+    Args:
+        verdicts: ``{configuration name: Verdict}`` on the same judging images.
+        z: the noise rule's multiple of the standard error.
+        reference: the name to keep unless another clearly wins; ``None``: the first.
+        moderated: shrink the standard error toward the other candidates'.
+
+    Returns:
+        ``(chosen name, {"reference", "best", "gain", "standard_error", "z", "losses", "images",
+        "noise"})``.
+    """
+    reference = reference if reference is not None else next(iter(verdicts))
+    if reference not in verdicts:
+        raise ValueError(f"the reference {reference!r} is not among the candidates {sorted(verdicts)}")
+    names = [reference] + [n for n in verdicts if n != reference]
     best = min(names, key=lambda n: (_finite(verdicts[n].loss), names.index(n)))
-    gain, se = paired_gain(verdicts[reference].per_image, verdicts[best].per_image)
+    ref = verdicts[reference].per_image
+    if moderated:
+        gain, se = moderated_gains(ref, {n: verdicts[n].per_image for n in names[1:]}).get(best, (0.0, math.inf))
+    else:
+        gain, se = paired_gain(ref, verdicts[best].per_image)
     chosen = best if best != reference and gain > z * se and math.isfinite(se) else reference
     return chosen, {"reference": reference, "best": best, "gain": gain, "standard_error": se, "z": z,
-                    "losses": {n: v.loss for n, v in verdicts.items()}, "images": int(verdicts[reference].per_image.numel())}
+                    "noise": "moderated" if moderated else "plain",
+                    "losses": {n: v.loss for n, v in verdicts.items()}, "images": int(ref.numel())}
 
 
 def _finite(x: float) -> float:
