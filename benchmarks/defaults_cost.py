@@ -23,11 +23,11 @@ SETTINGS = {"defaults": {}, "earlier rule": {"reference": "paper"}, "previous de
                                                   "holdout": 0.25}}
 
 _CHILD = """
-import argparse, dataclasses, json, os, sys, time
+import dataclasses, json, os, sys, time
 from latte_plugin.console import quiet
-from experiments.main_job import build
+from experiments.main_job import build, parser
 from latte_plugin.mmdet.calibrate import calibrate_detector
-a = argparse.Namespace(config={config!r}, checkpoint={ckpt!r}, data_root=None, num_images={n}, work_dir={work!r})
+a = parser().parse_args(["--config", {config!r}, "--checkpoint", {ckpt!r}, "--num-images", "{n}", "--work-dir", {work!r}])
 with quiet(os.path.join({work!r}, "log.txt")):
     runner, base, batches = build(a)
     t = time.perf_counter()

@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
                         "'candidates=[\"hf.model.conv_encoder.backbone.model.layer.*.attention\"]' (values as "
                         "JSON, else a string)")
     p.add_argument("--results", help="also write the results file the README's tables are made from (results/...)")
+    p.add_argument("--update", action="store_true",
+                   help="with --results: replace only the rows run in the existing file (their metrics and choices), "
+                        "recording the command under 'updates'; the other rows keep the run that made them")
     p.add_argument("--verbose", action="store_true", help="print the frameworks' logs (default: WORK_DIR/main_job.log)")
     return p
 
@@ -141,6 +144,20 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
     return out
 
 
+def updated(new: dict, path: str) -> dict:
+    """The results file at ``path`` with the rows of ``new`` replaced (metrics and choices) and
+    ``new``'s command added under ``updates``."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--update: {path} does not exist; run without --update to write it")
+    with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+    for key in ("metrics", "choices"):
+        old.setdefault(key, {}).update(new.get(key, {}))
+    old["updates"] = old.get("updates", []) + [{"command": new["command"] + " --update", "rows": list(new["metrics"]),
+                                                "date": time.strftime("%Y-%m-%d")}]
+    return old
+
+
 def run(a: argparse.Namespace) -> dict:
     """Builds the Runner (without the hook: this job calibrates row by row), runs the rows and
     writes the report, the results file and the plots."""
@@ -172,7 +189,7 @@ def run(a: argparse.Namespace) -> dict:
     report = assemble_report(out["rows"], out["reports"], rows, default, a, t0)
     atomic_write_json(report, os.path.join(a.work_dir, REPORT_NAME))
     if a.results:
-        atomic_write_json(results_file(report, a), a.results)
+        atomic_write_json(updated(results_file(report, a), a.results) if a.update else results_file(report, a), a.results)
     if "latte" in out["reports"]:  # the paper's score, per layer
         plot_sensitivity(out["reports"]["latte"], os.path.join(a.work_dir, "latte_sensitivity.png"))
     plot_kept(report["metrics"], os.path.join(a.work_dir, "latte_kept.png"))

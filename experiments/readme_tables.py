@@ -318,15 +318,23 @@ def headline_table() -> str:
     return _table(["model", "row", "linear layers", "bbox mAP", "% kept"], rows)
 
 
-def sweep_table() -> str:
-    """experiments/sweep_defaults.py: the defaults against the paper's protocol and the previous
-    defaults over generated splits and budgets (experiments/sweep_report.py)."""
+def sweep_table(files: str = "sweep_rule") -> str:
+    """experiments/sweep_defaults.py: the defaults against the paper's protocol, the previous
+    defaults (and the earlier rule) over generated splits and budgets (experiments/sweep_report.py);
+    ``files``: ``sweep_rule`` (held-out) or ``sweep_defaults`` (the design sweep)."""
     from experiments import sweep_report
 
-    entries = sweep_report.load_entries(RESULTS)
+    entries = sweep_report.load_entries(RESULTS, files)
     cmds = sorted({_load(os.path.basename(p))["command"] for p in sweep_report.glob.glob(
-        os.path.join(RESULTS, f"{sweep_report.FILES}_*.json"))})
+        os.path.join(RESULTS, f"{files}_*.json"))})
     return sweep_report.table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
+
+
+def sweep_summary() -> str:
+    """The README's line on the held-out sweep (experiments/sweep_report.py)."""
+    from experiments import sweep_report
+
+    return sweep_report.summary(sweep_report.load_entries(RESULTS))
 
 
 def judge_table() -> str:
@@ -361,6 +369,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "allocator": allocator_table,
     "headline": headline_table,
     "sweep": sweep_table,
+    "sweep_design": lambda: sweep_table("sweep_defaults"),
+    "sweep_summary": sweep_summary,
     "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,
     "onnx_cpu": onnx_cpu_table,

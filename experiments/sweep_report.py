@@ -128,6 +128,19 @@ def misses(entries: list[dict]) -> list[str]:
     return lines
 
 
+def summary(entries: list[dict]) -> str:
+    """One line: the cells within the noise of the better other row, and the misses counted."""
+    cs = cells(entries)
+    within, total = sum(c["within"] for c in cs), sum(len(c["seeds"]) for c in cs)
+    models = list(dict.fromkeys(c["label"] for c in cs))
+    budgets = sorted({c["budget"] for c in cs})
+    return (f"Held-out sweep ({', '.join(models)}; {', '.join(map(str, budgets))} calibration images or "
+            f"sequences; splits never used for a choice): ours within the noise of the better of the paper's "
+            f"protocol and the previous defaults on {within} of {total} split x budget cells; "
+            f"{len(misses(entries))} miss(es) of that or of a goal, each named in "
+            f"[docs/results.md](docs/results.md#sweep).")
+
+
 def plot(entries: list[dict], out: str) -> None:
     """Quality kept against budget: per model, each row's mean over splits and its worst split."""
     import matplotlib
