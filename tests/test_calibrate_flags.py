@@ -14,7 +14,7 @@ VALUES = {"candidates": ["a.*.attn", "b.attn"], "ratio": "0.5", "num_linear": "3
           "refit_reg": ["0.5", "2"], "holdout": "0.5", "per_head": None, "signal": "--no-signal", "sequential": None, "compensate": "never", "judge": "detections", "selection": "score",
           "lam": "2.5", "greedy_images": "4", "mode": "dynamic", "threshold": "64", "seed": "5", "target": "0.01", "backend": "eager",
           "kernel": "piecewise", "piecewise_top": "2", "piecewise_block": "32", "piecewise_order": "tokens",
-          "piecewise_rest": "blockmean", "speedup": "1.2", "cost_model": "cost.json",
+          "piecewise_rest": "blockmean", "speedup": "1.2", "cost_model": "cost.json", "reference": "paper",
           "choose_for": ["speed", "--target", "0.05"]}  # speed needs a speed-up or a budget
 
 

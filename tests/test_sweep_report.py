@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from experiments import sweep_defaults
+from experiments import main_job_rows, sweep_defaults
 from experiments import sweep_report
 
 
@@ -46,7 +46,8 @@ def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     again = sweep_defaults._load(path)
     assert sweep_defaults._done(again, model="cond_detr", seed=3, budget=8, row="ours")
     assert not sweep_defaults._done(again, model="cond_detr", seed=3, budget=16, row="ours")
-    assert set(sweep_defaults.DETECTOR_ROWS) == {"paper", "previous", "ours", "ours@83%"}
+    assert set(sweep_defaults.DETECTOR_ROWS) == {"paper", "previous", "earlier", "ours", "ours@83%", "earlier@83%"}
+    assert all(sweep_defaults.ALL_ROWS[r] in {row.name for row in main_job_rows.ROWS} for r in sweep_defaults.DETECTOR_ROWS)
 
 
 def test_the_sweep_gives_the_main_job_every_argument_its_build_reads(monkeypatch, tmp_path):
