@@ -85,7 +85,7 @@ EVIDENCE_SELECTIONS = ("greedy", "score")
 EVIDENCE_REFERENCE = ("greedy", "refit")
 #: What the noise rule of the configuration choice measures against: ``evidence`` (the reference
 #: above, a moderated standard error, and compensation under the same rule) or ``paper`` (the
-#: paper's score with sigma as reference, the plain standard error: the rule before issue 39).
+#: paper's score with sigma as reference, the plain standard error: the earlier rule).
 REFERENCES = ("evidence", "paper")
 
 

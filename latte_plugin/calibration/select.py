@@ -307,8 +307,7 @@ def paired_gain(ref: Tensor, cand: Tensor) -> tuple[float, float]:
         ``(mean log ratio, its standard error)``; the error is infinite with fewer than two
         images (no noise estimate: nothing can beat the reference).
     """
-    eps = _floor(ref.tolist())
-    d = torch.log((ref.double() + eps) / (cand.double() + eps))
+    d = _log_ratios(ref, cand)
     if d.numel() < 2:
         return (float(d.sum()), math.inf)
     return float(d.mean()), float(d.std(unbiased=True) / math.sqrt(d.numel()))
