@@ -164,8 +164,11 @@ def main(argv=None) -> dict:
 
     results, t0 = _load(a.results), time.time()
     args = [os.path.relpath(x, ROOT) if os.path.isabs(x) and x.startswith(ROOT) else x for x in (argv or sys.argv[1:])]
-    results.update(command="python -m experiments.sweep_defaults " + shlex.join(args),
-                   split=SPLIT, rows={r: ALL_ROWS[r] for r in a.rows})
+    command = "python -m experiments.sweep_defaults " + shlex.join(args)
+    # a file grown by several runs (budgets added later) keeps every command that wrote to it
+    commands = [c for c in results.get("commands", [results.get("command")]) if c and c != command]
+    rows = {**results.get("rows", {}), **{r: ALL_ROWS[r] for r in a.rows}}
+    results.update(command=command, commands=[*commands, command], split=SPLIT, rows=rows)
     for seed in a.seeds:
         if a.sequence_budgets:
             sweep_sequence(seed, a.sequence_budgets, results, a.results)

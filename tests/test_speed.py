@@ -156,6 +156,14 @@ def _naive_ms(fn, reps=7):
     return sorted(times)[reps // 2] * 1e3
 
 
+def _interleaved(measured, naive, rounds=3):
+    """The fastest of ``rounds`` alternating measurements on each side, ``(measured, naive)``:
+    alternating puts both under the same load from other test workers, and the minimum is the
+    round least disturbed by it (a median of one burst each was seen 45% apart under load)."""
+    pairs = [(measured(), naive()) for _ in range(rounds)]
+    return tuple(min(col) for col in zip(*pairs))
+
+
 @torch.no_grad()
 def test_cost_model_against_a_naive_timing():
     """The cost model's per-mode times of a layer at 1,024 tokens agree with a plain timing loop
@@ -166,18 +174,26 @@ def test_cost_model_against_a_naive_timing():
     knobs = {"block": 64, "order": "tokens", "rest": "latte"}
     from latte_plugin.calibration.cost import CallShape
 
-    ms = time_layer(layer, [CallShape(1, 4, 1024, 1024, 16, 16)], ["latte", "piecewise@2"], knobs)
-    layer.mode = "exact"
-    exact = _naive_ms(lambda: layer.attend(q, k, v))
-    layer.mode = "linear"
-    latte = _naive_ms(lambda: layer.attend(q, k, v))
-    assert ms["exact"] == pytest.approx(exact, rel=0.4) and ms["latte"] == pytest.approx(latte, rel=0.4)
+    def naive(mode):
+        layer.mode = mode
+        try:
+            return _naive_ms(lambda: layer.attend(q, k, v))
+        finally:
+            layer.mode = "linear"
+
+    shape = [CallShape(1, 4, 1024, 1024, 16, 16)]
+    for mode, naive_mode in (("exact", "exact"), ("latte", "linear")):
+        ms, plain = _interleaved(lambda: time_layer(layer, shape, ["latte", "piecewise@2"], knobs)[mode],
+                                 lambda: naive(naive_mode))
+        assert ms == pytest.approx(plain, rel=0.4), mode
     assert layer.mode == "linear" and layer.kernel == "latte"  # the state is restored
     model = _model()
     batch = toy_batches(n=1, b=4, tokens=512)[0]
     cost = measure_costs(find_latte_layers(model), batch, lambda b: model(b), knobs)
     assert set(cost.layers["layers.0.attn"]) >= {"exact", "latte"} and len(cost.shapes["layers.0.attn"]) == 1
-    assert cost.exact_ms == pytest.approx(_naive_ms(lambda: model(batch)), rel=0.5)
+    exact_ms, plain = _interleaved(lambda: measure_costs(find_latte_layers(model), batch, lambda b: model(b), knobs).exact_ms,
+                                   lambda: _naive_ms(lambda: model(batch)), rounds=2)
+    assert exact_ms == pytest.approx(plain, rel=0.5)
 
 
 def test_a_cost_model_file_is_read_by_pattern_and_bad_ones_are_refused_in_one_line(tmp_path):
