@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..nn.install import find_latte_layers, layer_states, restore_layer_states, set_modes
 from .compensate import compensate_layers
-from .cost import CostModel, load_cost_model, measure_costs, measured_speedup
+from .cost import CostModel, load_cost_model, measure_costs, measured_speedup, whole_network
 from .config import LatteConfig, num_linear_layers
 from .context import ROLES, CalibrationRun, Host, Measure
 from .corrections import CorrectionTable, FitOptions, LayerRecords, set_correction
@@ -139,7 +139,7 @@ def _shared_costs(run: CalibrationRun) -> CostModel:
     if run.cfg.cost_model:
         return load_cost_model(run.cfg.cost_model, list(run.layers))
     knobs = {"block": run.cfg.piecewise_block, "order": run.cfg.piecewise_order, "rest": run.cfg.piecewise_rest}
-    cost = measure_costs(run.layers, run.split.used[0][1], run.forward, knobs)
+    cost = measure_costs(run.layers, run.split.used[0][1], whole_network(run.forward), knobs)
     keys = [(n, m) for n, c in cost.layers.items() for m in c]
     world = float(run.shard[1])
     flat = run.reduce(torch.tensor([cost.exact_ms] + [cost.layers[n][m] for n, m in keys], dtype=torch.float64)) / world
@@ -274,7 +274,8 @@ def _configure_speed(run: CalibrationRun, fitted: _Fitted, signal: Optional[dict
     sens = scores(summed_stats(h.stats for h in fitted.halves), run.cfg.lam)
     _apply_selection(run, chosen.layers, sens)
     batch = run.split.used[0][1]
-    measured = measured_speedup(lambda: run.forward(batch), lambda on: set_modes(run.layers, chosen.layers if on else []))
+    timed = whole_network(run.forward)
+    measured = measured_speedup(lambda: timed(batch), lambda on: set_modes(run.layers, chosen.layers if on else []))
     if signal is None:
         signal = attention_signal(run.layers, [b for _, b in run.split.used], run.forward, run.reduce) if run.cfg.signal else {}
         _apply_selection(run, chosen.layers, sens)
