@@ -13,7 +13,7 @@ import latte_plugin.mmdet  # noqa: E402,F401
 from latte_plugin.calibration.config import LatteConfig
 from latte_plugin.mmdet.calibrate import (ADAPTER, build_calibration_loader, detector_forward, detector_predict,
                                          install_latte_cores)
-from latte_plugin.mmdet.feature_cache import FeatureCache, backbone_is_fixed
+from latte_plugin.mmdet.feature_cache import FeatureCache, cache_site
 from latte_plugin.nn.install import find_latte_layers
 
 
@@ -36,7 +36,7 @@ def _outputs_equal(a, b) -> bool:
 @torch.no_grad()
 def test_cached_forward_equals_the_whole_network_and_runs_the_backbone_once(detr_and_batches):
     model, batches = detr_and_batches
-    assert backbone_is_fixed(model)
+    assert cache_site(model) == (model, "extract_feat")
     calls = []
     handle = model.backbone.register_forward_hook(lambda *_: calls.append(1))
     try:
@@ -75,5 +75,36 @@ def test_no_cache_with_grad_in_train_mode_or_candidates_in_the_backbone(detr_and
     import latte_plugin.mmdet.feature_cache as fc
 
     monkeypatch.setattr(fc, "find_latte_layers", lambda m: {"backbone.layer1.attn": None})
-    assert not backbone_is_fixed(model)
-    assert not backbone_is_fixed(torch.nn.Linear(2, 2))
+    assert cache_site(model) is None
+    assert cache_site(torch.nn.Linear(2, 2)) is None
+
+
+@torch.no_grad()
+def test_the_hf_wrappers_cache_their_backbone(tmp_path):
+    """RT-DETR through the HF wrapper: the backbone runs once per batch, outputs equal the whole network's."""
+    require("transformers")
+    from mmdet.structures import DetDataSample
+    from mmdet.utils import register_all_modules
+
+    from latte_plugin.hf.detectors import FAMILIES
+    from latte_plugin.mmdet import HFDetector
+
+    register_all_modules()
+    torch.manual_seed(0)
+    det = HFDetector(family="rt_detr", hf_config=FAMILIES["rt_detr"].architecture,
+                     data_preprocessor=dict(type="DetDataPreprocessor", mean=[0, 0, 0], std=[255, 255, 255])).eval()
+    install_latte_cores(det, LatteConfig(candidates=det.latte_candidates()))
+    assert cache_site(det) == (det.hf.model.backbone, "forward")
+    g = torch.Generator().manual_seed(0)
+    batch = {"inputs": [torch.randint(0, 256, (3, 160, 160), generator=g, dtype=torch.uint8)],
+             "data_samples": [DetDataSample(metainfo=dict(img_shape=(160, 160), ori_shape=(160, 160), scale_factor=(1, 1)))]}
+    calls = []
+    inner = next(det.hf.model.backbone.children())  # the wrapper's own hooks fire on a cached call too
+    handle = inner.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        forward = detector_forward(det)
+        first, again, whole = forward(batch), forward(batch), forward.uncached(batch)
+    finally:
+        handle.remove()
+    assert _outputs_equal(first, whole) and _outputs_equal(again, whole) and len(calls) == 2
+    assert "forward" not in det.hf.model.backbone.__dict__
