@@ -352,7 +352,9 @@ def test_mmengine_distributed_launch_matches_one_process_and_is_deterministic(sy
     batch), the same selection and every fitted buffer (m, log_rho, sigma, refit weights and
     bias) within 1e-5 as 1 process; two 1-process runs (side by side) give an identical report and checkpoint.
     The launch is what is tested, so the model is the smallest that has every fitted buffer."""
-    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=7, steps=5, calib_batch_size=2, correction="refit")
+    # selection by score: the launch is under test, not the choice rule (its judged forwards cost most)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=7, steps=5, calib_batch_size=2, correction="refit",
+                   selection="score")
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     tool = os.path.join(ROOT, "tools", "calibrate.py")

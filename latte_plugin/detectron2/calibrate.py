@@ -40,18 +40,8 @@ class Detectron2Adapter(Adapter):
         return t
 
     def forward(self, model: nn.Module):
-        if not hasattr(model, "_det"):  # not the mmdet bridge: no backbone-feature cache
-            return model.tensor_forward
-        from ..mmdet.feature_cache import FeatureCache
-
-        features = FeatureCache(model._det)
-
-        def forward(batch: list[dict]):
-            with features.serving([d["image"] for d in batch]):
-                return model.tensor_forward(batch)
-
-        forward.uncached = model.tensor_forward  # what timings run (cost.whole_network)
-        return forward
+        # the mmdet bridge caches backbone features; the other meta-architectures run the whole network
+        return model.calibration_forward() if hasattr(model, "calibration_forward") else model.tensor_forward
 
     def detect(self, model: nn.Module):
         def detect(batch: list[dict]) -> list:

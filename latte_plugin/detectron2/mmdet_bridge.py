@@ -91,6 +91,20 @@ class MMDetDetector(LatteMetaArch):
             samples.append(ds)
         return self._det.data_preprocessor({"inputs": inputs, "data_samples": samples}, training)
 
+    def calibration_forward(self):
+        """:meth:`tensor_forward` with each batch's backbone features computed once
+        (``latte_plugin/mmdet/feature_cache.py``); ``.uncached`` is the whole network (for timings)."""
+        from ..mmdet.feature_cache import FeatureCache
+
+        features = FeatureCache(self._det)
+
+        def forward(batched_inputs: list[dict]):
+            with features.serving([d["image"] for d in batched_inputs]):
+                return self.tensor_forward(batched_inputs)
+
+        forward.uncached = self.tensor_forward
+        return forward
+
     def tensor_forward(self, batched_inputs: list[dict]):
         """Raw head outputs (mmdet's ``mode='tensor'``): what calibration compares."""
         data = self.to_mmdet(batched_inputs, False)
