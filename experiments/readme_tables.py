@@ -325,8 +325,8 @@ def sweep_table(files: str = "sweep_rule") -> str:
     from experiments import sweep_report
 
     entries = sweep_report.load_entries(RESULTS, files)
-    cmds = sorted({_load(os.path.basename(p))["command"] for p in sweep_report.glob.glob(
-        os.path.join(RESULTS, f"{files}_*.json"))})
+    files_read = [_load(os.path.basename(p)) for p in sweep_report.glob.glob(os.path.join(RESULTS, f"{files}_*.json"))]
+    cmds = sorted({c for res in files_read for c in res.get("commands", [res["command"]])})
     return sweep_report.table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
 
 
