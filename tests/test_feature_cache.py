@@ -29,8 +29,8 @@ def detr_and_batches(synthetic_data, tmp_path_factory):
 
 
 def _outputs_equal(a, b) -> bool:
-    flat = lambda x: [t for t in (x if isinstance(x, (tuple, list)) else [x])]  # noqa: E731
-    return all(torch.equal(p, q) for p, q in zip(flat(a), flat(b), strict=True))
+    a, b = (list(x) if isinstance(x, (tuple, list)) else [x] for x in (a, b))
+    return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
 
 
 @torch.no_grad()

@@ -125,13 +125,13 @@ def _inputs(c: CallShape, gen: torch.Generator) -> tuple[Tensor, ...]:
     return q, k, v, kpm
 
 
-@torch.no_grad()
 def whole_network(forward: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The forward that runs every module each call, for timing: an adapter's forward may
     memoise work no LATTE layer changes (mmdet's backbone features) and says so with ``.uncached``."""
     return getattr(forward, "uncached", forward)
 
 
+@torch.no_grad()
 def time_layer(layer: LatteParams, calls: Sequence[CallShape], modes: Sequence[str], knobs: Mapping[str, Any],
                reps: int = LAYER_REPS) -> dict[str, float]:
     """``{mode: ms}``: the summed median time of the layer's calls in each mode (``exact`` first),
