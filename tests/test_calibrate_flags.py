@@ -15,7 +15,8 @@ VALUES = {"candidates": ["a.*.attn", "b.attn"], "ratio": "0.5", "num_linear": "3
           "lam": "2.5", "greedy_images": "4", "mode": "dynamic", "threshold": "64", "seed": "5", "target": "0.01", "backend": "eager",
           "kernel": "piecewise", "piecewise_top": "2", "piecewise_block": "32", "piecewise_order": "tokens",
           "piecewise_rest": "blockmean", "speedup": "1.2", "cost_model": "cost.json", "reference": "paper",
-          "choose_for": ["speed", "--target", "0.05"]}  # speed needs a speed-up or a budget
+          "choose_for": ["speed", "--target", "0.05"],  # speed needs a speed-up or a budget
+          "input_size": ["1024"]}
 
 
 def _flag(name):
@@ -38,6 +39,18 @@ def test_boolean_flags_turn_off_too_and_unset_flags_change_nothing():
     assert tool.latte_overrides(tool.parse_args(["cfg.py"])) == {}
     assert tool.latte_overrides(tool.parse_args(["cfg.py", "--no-sequential"])) == {"sequential": False}
     assert tool.latte_overrides(tool.parse_args(["cfg.py", "--correction", "none"])) == {"correction": "none"}
+
+
+def test_input_size_takes_one_side_or_two_and_refuses_the_rest():
+    """``--input-size 1024`` is a square, ``--input-size 800 1333`` height then width; the config
+    keeps (height, width) and writes a list; anything but one or two positive pixel counts is refused."""
+    assert tool.latte_overrides(tool.parse_args(["cfg.py", "--input-size", "1024"])) == {"input_size": [1024]}
+    assert LatteConfig(input_size=[1024]).input_size == (1024, 1024)
+    assert LatteConfig(input_size=(800, 1333)).to_dict()["input_size"] == [800, 1333]
+    assert LatteConfig.from_dict(LatteConfig(input_size=640).to_dict()) == LatteConfig(input_size=640)
+    for bad in ([0], [1, 2, 3], [12.5], []):
+        with pytest.raises(ValueError, match="input_size must be one or two positive pixel counts"):
+            LatteConfig(input_size=bad)
 
 
 def test_help_comes_from_the_fields_metadata():

@@ -191,7 +191,8 @@ def _launch_worker(out, data_root):
     loader = instantiate(cfg.model.calibration_loader)  # the COCO configs' loader: InferenceSampler, blocks per rank
     rep = d2p.calibrate_detector(model, loader, LatteConfig(candidates=["encoder.layers.*.self_attn"],
                                                             num_images=7, steps=5, max_queries=10000,
-                                                            max_items=12, correction="refit"))
+                                                            max_items=12, correction="refit",
+                                                            selection="score"))
     if comm.is_main_process():
         state = {k: v.clone() for k, v in model.state_dict().items() if ".latte." in k}
         torch.save({"linearized": rep["linearized"], "images": rep["selection"]["images"], "state": state}, out)
@@ -202,7 +203,8 @@ def test_detectron2_launch_two_processes_matches_one(train_split_of_12, tmp_path
     """detectron2's own ``launch``, 2 gloo processes, the LazyConfig's calibration loader
     (``InferenceSampler``: rank 0 holds images 0-5, rank 1 images 6-11), 7 of 12 train images:
     the same images as 1 process (the first 7, from both ranks), the same selection, and every LATTE buffer
-    (m, log_rho, sigma, refit weight and bias, modes) within 1e-5."""
+    (m, log_rho, sigma, refit weight and bias, modes) within 1e-5. Selection by score: the launch is
+    under test here; the choice rule across processes is tests/test_distributed.py's."""
     from detectron2.engine import launch
 
     with socket.socket() as s:
@@ -326,3 +328,44 @@ def test_a_checkpoint_calibrated_for_other_candidates_is_refused(synthetic_data,
     same = instantiate(cfg.model)
     DetectionCheckpointer(same).load(path)  # the same candidates load
     assert all(bool(l.calibrated) for l in find_latte_layers(same).values())
+
+
+def test_input_size_sets_the_lazyconfig_resizes_and_the_tools_loaders(synthetic_data, tmp_path, monkeypatch):
+    """input_size (height, width) on LazyCall'd augmentations: ``Resize`` takes the shape,
+    ``ResizeShortestEdge`` the smaller side within the larger. The tool resizes the calibration and
+    the test loaders (96 px here, the config's 256); the meta-arch, whose loader detectron2 has
+    built, refuses to calibrate with it in one line; a list without a resize is named."""
+    from detectron2.config import LazyCall as L
+    from detectron2.config import LazyConfig
+    from detectron2.data import transforms as T
+
+    from latte_plugin.detectron2 import workflow
+    from latte_plugin.detectron2.data import resize_augmentations
+
+    augs = [L(T.Resize)(shape=(640, 640)), L(T.ResizeShortestEdge)(short_edge_length=800, max_size=1333),
+            L(T.RandomFlip)()]
+    resize_augmentations(augs, (512, 768), "test")
+    assert augs[0].shape == (512, 768) and (augs[1].short_edge_length, augs[1].max_size) == (512, 768)
+    with pytest.raises(ValueError, match="input_size: x has no Resize or ResizeShortestEdge"):
+        resize_augmentations([L(T.RandomFlip)()], (512, 512), "x")
+
+    cfg_path = tmp_path / "d2.yaml"
+    LazyConfig.save(_lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "train.init_checkpoint=''"), str(cfg_path))
+    seen = {}
+
+    def stop(model, loader, latte_cfg):
+        seen["image"] = next(iter(loader))[0]["image"].shape[-2:]
+        raise KeyboardInterrupt  # enough: the loaders are what is under test
+
+    monkeypatch.setattr(workflow, "calibrate_detector", stop)
+    load = workflow.load_config
+    monkeypatch.setattr(workflow, "load_config", lambda *a: seen.setdefault("cfg", load(*a)))
+    with pytest.raises(KeyboardInterrupt):
+        workflow.run_calibration(str(cfg_path), overrides=dict(input_size=[96]))
+    assert seen["image"] == (96, 96)
+    assert [(a.short_edge_length, a.max_size) for a in seen["cfg"].dataloader.test.mapper.augmentations] == [(96, 96)]
+    from detectron2.config import instantiate
+
+    model = instantiate(_lazy(synthetic_data, f"model.mmdet_config={TINY_CFG}", "model.latte.input_size=[96]").model)
+    with pytest.raises(ValueError, match="model.latte.input_size cannot resize a calibration_loader that is already built"):
+        model.eval()(_d2_inputs(__import__("numpy").zeros((64, 64, 3), dtype="uint8")))

@@ -145,6 +145,46 @@ def test_the_tools_config_text_skips_yapf_and_still_loads_as_the_same_config(tmp
     assert back.model.num_queries == 7 and back.to_dict() == cfg.to_dict()
 
 
+def test_the_tools_runner_stops_its_evaluation_workers_with_each_loop(synthetic_data, tmp_path):
+    """runner_with_checkpoint (every tool's Runner) builds the evaluation loaders without
+    persistent workers: mmdet's COCO base asks for them, and collected inside a Python process
+    their shutdown waited 10 s (5 s per worker). Other loader settings are the config's."""
+    from latte_plugin.mmdet.workflow import runner_with_checkpoint
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), calibrate="never")
+    for key in ("val_dataloader", "test_dataloader"):
+        cfg[key].update(num_workers=1, persistent_workers=True)
+    runner = runner_with_checkpoint(cfg, None)
+    for key in ("val_dataloader", "test_dataloader"):
+        assert runner.cfg[key].persistent_workers is False and runner.cfg[key].num_workers == 1
+    assert runner.test_dataloader.persistent_workers is False
+    assert runner.cfg.train_dataloader.persistent_workers == tiny_cfg(None, None).train_dataloader.persistent_workers
+
+
+def test_input_size_calibrates_times_and_evaluates_at_the_deployment_size(synthetic_data, tmp_path, monkeypatch):
+    """input_size=96 on the tiny DETR (its test pipeline: 256 px): the calibration images come at
+    96 x 96, the cost model is timed on the encoder's 6 x 6 tokens (stride 16) instead of 16 x 16, and
+    the tool's evaluation runs at 96 px too; a pipeline without a Resize is named."""
+    from latte_plugin.mmdet import workflow
+    from latte_plugin.mmdet.calibrate import build_calibration_loader, resize_pipeline
+
+    cfg = tiny_cfg(synthetic_data, str(tmp_path))
+    assert next(iter(build_calibration_loader(cfg)))["inputs"][0].shape[-2:] == (256, 256)
+    assert next(iter(build_calibration_loader(cfg, input_size=(96, 96))))["inputs"][0].shape[-2:] == (96, 96)
+    cfg.dump(str(tmp_path / "tiny.py"))
+    scales = []
+    monkeypatch.setattr(workflow, "evaluate_bbox", lambda runner, linear, mode: scales.append(
+        next(t["scale"] for t in runner.cfg.test_dataloader.dataset.pipeline if t["type"] == "Resize"))
+        or {"bbox_mAP": 0.5, "bbox_mAP_50": 0.5})
+    report = workflow.run_calibration(str(tmp_path / "tiny.py"), work_dir=str(tmp_path / "w"), evaluate=True,
+                                      overrides=dict(input_size=[96], num_images=2, steps=1, speedup=1.0, **PAPER))
+    assert {tuple(s) for s in scales} == {(96, 96)}
+    shapes = report["speed"]["cost"]["shapes"]
+    assert shapes and all(keys == 36 for calls in shapes.values() for _, _, _, keys, _ in calls)
+    with pytest.raises(ValueError, match="input_size: the test pipeline has no Resize"):
+        resize_pipeline([dict(type="LoadImageFromFile")], (96, 96), "the test pipeline")
+
+
 def test_never_calibrate_without_latte_state_is_a_clear_error(synthetic_data, tmp_path):
     from mmengine.runner import Runner
 
@@ -171,7 +211,7 @@ def test_mmdet_tools_test_reproduces_linearized_map(synthetic_data, tmp_path, mo
     from latte_plugin.mmdet.workflow import run_calibration
 
     monkeypatch.setattr(flow, "measure_costs", _piecewise_only_costs)
-    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=20, speedup=1.3, piecewise_block=4,
+    cfg = tiny_cfg(synthetic_data, str(tmp_path / "cal"), num_images=4, steps=5, speedup=1.3, piecewise_block=4,
                    correction="sigma", signal=False)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
@@ -204,7 +244,7 @@ def test_main_job_rows_on_tiny_config(synthetic_data, tmp_path, monkeypatch):
     measured = []  # the signal is the exact model's: the job measures it once, not per row
     monkeypatch.setattr(flow, "attention_signal", lambda *a, _f=flow.attention_signal: measured.append(1) or _f(*a))
 
-    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=4, steps=10)
+    cfg = tiny_cfg(synthetic_data, str(tmp_path), num_images=4, steps=3)
     cfg_path = tmp_path / "tiny.py"
     cfg.dump(str(cfg_path))
     report = main_job.main(["--config", str(cfg_path), "--checkpoint", "none", "--work-dir", str(tmp_path / "job"),
@@ -467,11 +507,11 @@ def test_target_budgets_detection_disagreement_on_the_embedded_detector(syntheti
 
     cfg = tiny_cfg(synthetic_data, str(tmp_path), path=os.path.join(ROOT, "configs", "mmdet", "embedded",
                                                                      "cond_detr_r18_synthetic_latte.py"),
-                   num_images=8, steps=5)
+                   num_images=4, steps=2)
     cfg_path = tmp_path / "embedded.py"
     cfg.dump(str(cfg_path))
     report = run_calibration(str(cfg_path), os.path.join(ROOT, "checkpoints", "cond_detr_r18_synthetic.pth"),
-                             str(tmp_path / "cal"), overrides=dict(target=0.05, greedy_images=4))
+                             str(tmp_path / "cal"), overrides=dict(target=0.05, greedy_images=2))
     sel = report["selection"]
     assert sel["target"]["measure"] == DetectionDisagreement.name == sel["heldout"]["measure"]
     assert sel["k"] == sel["target"]["k"] == len(report["linearized"])

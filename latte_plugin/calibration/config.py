@@ -89,10 +89,11 @@ EVIDENCE_REFERENCE = ("greedy", "refit")
 REFERENCES = ("evidence", "paper")
 
 
-def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> Any:
-    """A ``LatteConfig`` field with its help text (and choices) as metadata: the one place that
-    ``tools/calibrate.py``'s flags, ``--help`` and the docs read them from."""
-    meta = {"help": help, **({"choices": tuple(choices)} if choices else {})}
+def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, nargs: Optional[str] = None) -> Any:
+    """A ``LatteConfig`` field with its help text (and choices, or the number of values its flag
+    takes) as metadata: the one place that ``tools/calibrate.py``'s flags, ``--help`` and the docs
+    read them from."""
+    meta = {"help": help, **({"choices": tuple(choices)} if choices else {}), **({"nargs": nargs} if nargs else {})}
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -160,6 +161,11 @@ class LatteConfig:
                                           "block count) with the lowest cross-fitted distortion whose speed-up, "
                                           "from the layers' timed costs, is at least this (implies "
                                           "choose_for=speed; ratio and num_linear are then ignored)")
+    input_size: Optional[tuple] = _opt(None, "deployment input size, H [W] pixels (one value: square): the "
+                                             "adapters resize the calibration images to it (the test pipeline's "
+                                             "resize, its aspect rule kept), so the fits, the choice and the cost "
+                                             "model are at that size; tools/calibrate.py evaluates at it too. "
+                                             "Default: the config's test size", nargs="+")
     cost_model: Optional[str] = _opt(None, "a JSON cost model to choose for speed with instead of timing the layers "
                                            "here (measured on the deployment machine): {\"exact_ms\": end-to-end ms, "
                                            "\"layers_ms\": {layer or fnmatch pattern: {mode: ms}}}, e.g. a report's "
@@ -208,6 +214,7 @@ class LatteConfig:
             object.__setattr__(self, "candidates", (self.candidates,))
         object.__setattr__(self, "candidates", tuple(self.candidates))
         object.__setattr__(self, "refit_reg", tuple(self.refit_reg))
+        object.__setattr__(self, "input_size", _input_size(self.input_size))
         self.validate()
 
     @property
@@ -289,7 +296,22 @@ class LatteConfig:
         d = asdict(self)
         d["candidates"] = list(d["candidates"])
         d["refit_reg"] = [float(r) for r in d["refit_reg"]]
+        d["input_size"] = None if self.input_size is None else list(self.input_size)
         return d
+
+
+def _input_size(value: Any) -> Optional[tuple[int, int]]:
+    """``input_size`` as ``(height, width)``: one side for a square, or two.
+
+    Raises:
+        ValueError: not one or two positive whole numbers of pixels.
+    """
+    if value is None:
+        return None
+    sides = (value,) if isinstance(value, (int, float)) else tuple(value)
+    if len(sides) not in (1, 2) or any(float(v) != int(v) or int(v) < 1 for v in sides):
+        raise ValueError(f"input_size must be one or two positive pixel counts (H [W]), got {value!r}")
+    return int(sides[0]), int(sides[-1])
 
 
 def num_linear_layers(num_candidates: int, ratio: Optional[float] = None, count: Optional[int] = None) -> int:

@@ -49,6 +49,8 @@ def add_latte_arguments(p: argparse.ArgumentParser) -> None:
         kw: dict = dict(dest=f.name, default=None, help=text)
         if isinstance(default, bool):
             kw["action"] = argparse.BooleanOptionalAction
+        elif "nargs" in f.metadata:  # a number or two (input_size)
+            kw.update(nargs=f.metadata["nargs"], type=int, metavar="PIXELS")
         elif isinstance(default, (tuple, list)):
             kw.update(nargs="+", type=type(default[0]) if default else str, metavar=f.name.upper())
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["register_synthetic"]
+__all__ = ["register_synthetic", "resize_augmentations"]
 
 
 def register_synthetic(root: str = "data/synthetic", prefix: str = "latte_synthetic") -> tuple[str, str]:
@@ -27,3 +27,27 @@ def register_synthetic(root: str = "data/synthetic", prefix: str = "latte_synthe
             register_coco_instances(name, {}, json_file, os.path.join(root, split))
         names.append(name)
     return names[0], names[1]
+
+
+def resize_augmentations(augmentations, size: tuple[int, int], where: str) -> None:
+    """Every resize of a LazyCall'd augmentation list to ``size`` = ``(height, width)``, in place:
+    ``Resize`` to that shape; ``ResizeShortestEdge`` (aspect kept) to a short side of the smaller
+    and at most the larger of the two, as mmdet's ``keep_ratio`` fits the image inside ``size``.
+
+    Raises:
+        ValueError: the list has no resize to set (one line naming ``where``).
+    """
+    found = 0
+    for aug in augmentations or []:
+        target = aug.get("_target_") if hasattr(aug, "get") else None
+        name = getattr(target, "__name__", str(target).rsplit(".", 1)[-1])
+        if name == "Resize":
+            aug.shape = (size[0], size[1])
+        elif name == "ResizeShortestEdge":
+            aug.short_edge_length, aug.max_size = min(size), max(size)
+        else:
+            continue
+        found += 1
+    if not found:
+        raise ValueError(f"input_size: {where} has no Resize or ResizeShortestEdge to set (LazyCall'd); add one, "
+                         "or leave input_size unset")

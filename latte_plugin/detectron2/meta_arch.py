@@ -115,6 +115,11 @@ class LatteMetaArch(nn.Module):
         self.train(was_training)
 
     def _required_loader(self) -> Any:
+        if self.latte_cfg.input_size is not None:
+            # detectron2's instantiate builds the loader before the model sees it: its resize is fixed
+            raise ValueError("model.latte.input_size cannot resize a calibration_loader that is already built: set "
+                             "the resize in model.calibration_loader.mapper.augmentations (and dataloader.test), "
+                             "or calibrate with tools/calibrate.py LAZYCFG --input-size H [W]")
         loader = self.calibration_loader()
         if loader is None:
             raise ValueError("LATTE layers are not calibrated and the model has no calibration_loader: give "

@@ -14,6 +14,7 @@ from ..calibration.config import LatteConfig
 from ..nn.install import find_latte_layers, set_modes
 from ..storage import check_checkpoint, check_readable
 from .calibrate import calibrate_detector, unwrap
+from .data import resize_augmentations
 
 __all__ = ["load_config", "evaluate_bbox", "run_calibration"]
 
@@ -69,6 +70,11 @@ def run_calibration(config: str, checkpoint: Optional[str] = None, work_dir: Opt
     (the train split), saves, and optionally evaluates exact and hybrid with ``COCOEvaluator``."""
     cfg = load_config(config, opts)
     latte_cfg = _latte_settings(cfg, config, overrides)
+    if latte_cfg.input_size is not None:  # calibrated, timed and evaluated where it is deployed
+        for key, node in (("model.calibration_loader", cfg.model.get("calibration_loader")),
+                          ("dataloader.test", cfg.dataloader.test)):
+            if node is not None:
+                resize_augmentations(node.mapper.augmentations, latte_cfg.input_size, f"{config}'s {key}.mapper.augmentations")
     cfg.model.latte = dict(latte_cfg.to_dict(), calibrate="never")  # this function calibrates, not the model
     cfg.model.allow_partial_load = bool(allow_partial_load)
     model = _build_model(cfg, checkpoint)

@@ -20,8 +20,8 @@ from ..adapter import Adapter, calibrate, swap_attention
 from ..calibration.config import LatteConfig
 from .feature_cache import FeatureCache
 
-__all__ = ["MMDetAdapter", "unwrap", "install_latte_cores", "build_calibration_loader", "detector_forward",
-           "detector_predict", "calibrate_detector"]
+__all__ = ["MMDetAdapter", "unwrap", "install_latte_cores", "build_calibration_loader", "resize_pipeline",
+           "inner_dataset", "detector_forward", "detector_predict", "calibrate_detector"]
 
 
 class MMDetAdapter(Adapter):
@@ -69,12 +69,29 @@ def install_latte_cores(model: nn.Module, cfg: LatteConfig) -> list[str]:
     return swap_attention(unwrap(model), cfg.candidates, cfg.variant, cfg.backend)
 
 
-def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str = "test", seed: int = 0):
+def resize_pipeline(pipeline: list, size: tuple[int, int], where: str) -> None:
+    """Every ``Resize`` of an mmdet pipeline to ``size`` = ``(height, width)``, in place (mmdet's
+    ``scale`` is ``(width, height)``; ``keep_ratio`` stays the config's: with it, the image fits
+    inside ``size``).
+
+    Raises:
+        ValueError: the pipeline has no ``Resize`` (one line naming ``where``).
+    """
+    steps = [t for t in pipeline if t.get("type") in ("Resize", "mmdet.Resize")]
+    if not steps:
+        raise ValueError(f"input_size: {where} has no Resize step to set; add one, or leave input_size unset")
+    for t in steps:
+        t["scale"] = (size[1], size[0])
+        t.pop("scale_factor", None)
+
+
+def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str = "test", seed: int = 0,
+                             input_size: Optional[tuple[int, int]] = None):
     """A loader over the **train split** for calibration, built by mmengine's own builder.
 
     The train dataset is kept (images, annotation file), but with ``pipeline='test'`` its
     random train-time augmentations are replaced by the test pipeline, so calibration sees
-    what evaluation sees. The sampler is mmengine's ``DefaultSampler`` (shuffled with a
+    what evaluation sees; ``input_size`` then sets its resize (:func:`resize_pipeline`). The sampler is mmengine's ``DefaultSampler`` (shuffled with a
     fixed seed), which also splits the images across ranks.
     """
     from mmengine.runner import Runner
@@ -85,18 +102,25 @@ def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str
     loader_cfg = loader_cfg.to_dict() if hasattr(loader_cfg, "to_dict") else dict(loader_cfg)
     if pipeline == "test":
         test_ds = runner_cfg["test_dataloader"]["dataset"]
-        ds = loader_cfg["dataset"]
-        while "dataset" in ds and "pipeline" not in ds:  # dataset wrappers (RepeatDataset, ...)
-            ds = ds["dataset"]
+        ds = inner_dataset(loader_cfg["dataset"])
         ds["pipeline"] = copy.deepcopy(test_ds["pipeline"])
         if hasattr(ds["pipeline"], "to_dict"):
             ds["pipeline"] = ds["pipeline"].to_dict()
+    if input_size is not None:
+        resize_pipeline(inner_dataset(loader_cfg["dataset"])["pipeline"], input_size, "the calibration pipeline")
     loader_cfg["batch_size"] = batch_size
     loader_cfg["sampler"] = dict(type="DefaultSampler", shuffle=True, seed=seed)
     loader_cfg.pop("batch_sampler", None)
     loader_cfg["num_workers"] = 0
     loader_cfg["persistent_workers"] = False
     return Runner.build_dataloader(loader_cfg, seed=seed)
+
+
+def inner_dataset(dataset: dict) -> dict:
+    """The dataset config that holds the pipeline, through wrappers (RepeatDataset, ...)."""
+    while "dataset" in dataset and "pipeline" not in dataset:
+        dataset = dataset["dataset"]
+    return dataset
 
 
 def _check_batch(batch: Any) -> None:

@@ -109,7 +109,8 @@ class LinearizeHook(Hook):
         return self._finish(runner, calibrate_detector(runner.model, self._loader(runner), self.latte_cfg))
 
     def _loader(self, runner):
-        return build_calibration_loader(runner.cfg, self.calib_batch_size, self.calib_pipeline, seed=self.latte_cfg.seed)
+        return build_calibration_loader(runner.cfg, self.calib_batch_size, self.calib_pipeline, seed=self.latte_cfg.seed,
+                                        input_size=self.latte_cfg.input_size)
 
     def _finish(self, runner, report: Optional[dict]) -> Optional[dict]:
         """After a calibration: keep the report and write it to the work dir (main process)."""
