@@ -26,7 +26,7 @@ SIDE = 160  # test-time input size (the configs' own: 1333x800 for DETR, 640x640
 FAST = ["--num-images", "2", "--steps", "1", "--greedy-images", "1"]
 # the paper's protocol for the in-process tool runs: the configs, checkpoints and evaluators are under
 # test here; the adaptive choice (its judged forwards) is tests/test_configurations.py's
-PAPER = ["--selection", "score", "--correction", "sigma", "--compensate", "never"]
+PAPER = ["--selection", "score", "--correction", "sigma", "--compensate", "never", "--no-signal"]
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,7 @@ def test_detectron2_coco_lazyconfigs_run_eval_only(coco_root, rtdetr_r50vd_dir, 
         overrides.append(f"train.init_checkpoint={work / 'latte_calibrated.pth'}")
     else:  # the paper's protocol (see PAPER): the first-forward calibration is under test, not the choice
         overrides += [f"model.pretrained={rtdetr_r50vd_dir[0]}", "model.latte.selection=score",
-                      "model.latte.correction=sigma", "model.latte.compensate=never"]
+                      "model.latte.correction=sigma", "model.latte.compensate=never", "model.latte.signal=False"]
     out = subprocess.run([sys.executable, script, "--eval-only", "--config-file", config, *overrides],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path))
     text = out.stdout + out.stderr
