@@ -91,8 +91,9 @@ def build_calibration_loader(runner_cfg: Any, batch_size: int = 1, pipeline: str
 
     The train dataset is kept (images, annotation file), but with ``pipeline='test'`` its
     random train-time augmentations are replaced by the test pipeline, so calibration sees
-    what evaluation sees; ``input_size`` then sets its resize (:func:`resize_pipeline`). The sampler is mmengine's ``DefaultSampler`` (shuffled with a
-    fixed seed), which also splits the images across ranks.
+    what evaluation sees; ``input_size`` then sets its resize (:func:`resize_pipeline`). The
+    sampler is mmengine's ``DefaultSampler`` (shuffled with a fixed seed), which also splits the
+    images across ranks.
     """
     from mmengine.runner import Runner
 

@@ -169,7 +169,8 @@ def run_calibration(config: str, checkpoint: Optional[str] = None, work_dir: Opt
     size = hook_latte_settings(cfg, config).input_size
     if size is not None:  # evaluated where it is deployed (the calibration loader resizes itself)
         for key in ("val_dataloader", "test_dataloader"):
-            resize_pipeline(inner_dataset(cfg[key]["dataset"])["pipeline"], size, f"{config}'s {key}")
+            if cfg.get(key) is not None:
+                resize_pipeline(inner_dataset(cfg[key]["dataset"])["pipeline"], size, f"{config}'s {key}")
     cfg.work_dir = work_dir or cfg.get("work_dir") or os.path.join(
         "work_dirs", os.path.splitext(os.path.basename(config))[0])
     if checkpoint:
