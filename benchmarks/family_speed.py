@@ -138,8 +138,12 @@ def measure(family: str, side: int, setting: str, reps: int, threads: int, extra
 
 def write_rows(rows: list[dict], module: str, argv, path: Optional[str]) -> dict:
     """``{"rows", "command", "machine"}`` of a benchmark run, written atomically to ``path`` if given."""
+    # the allocator settings and the load move CPU timings (tools/cpu_env.sh; a second job on the
+    # cores): the file records both (the load counts the run's own threads), so a figure can be traced
     out = {"rows": rows, "command": f"python -m {module} " + shlex.join(argv or sys.argv[1:]),
-           "machine": f"{os.cpu_count()} CPU cores"}
+           "machine": f"{os.cpu_count()} CPU cores",
+           "allocator": {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")},
+           "load_average_1min": os.getloadavg()[0]}
     if path:
         from latte_plugin.storage import atomic_write_json
 
