@@ -22,7 +22,8 @@ import statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
-MODELS = (("cond_detr", "Conditional DETR"), ("rtdetr", "RT-DETR"), ("sequence", "sequence model"))
+MODELS = (("cond_detr", "Conditional DETR"), ("rtdetr", "RT-DETR"), ("vit", "DEIMv2, ViT backbone"),
+          ("sequence", "sequence model"))
 ROWS = (("paper", "paper's protocol"), ("previous", "previous defaults"), ("earlier", "earlier rule"), ("ours", "ours"))
 #: the sweep the README reads: the current rule's, on splits no choice has seen
 FILES = "sweep_rule"

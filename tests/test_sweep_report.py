@@ -1,5 +1,6 @@
 """The defaults sweep's results file and what is read from it (no sweep is run here)."""
 import json
+import os
 
 import pytest
 
@@ -58,11 +59,25 @@ def test_the_sweep_gives_the_main_job_every_argument_its_build_reads(monkeypatch
 
     from experiments import main_job
 
-    monkeypatch.setattr(sweep_defaults, "_split", lambda seed: str(tmp_path / f"seed{seed}"))
+    monkeypatch.setattr(sweep_defaults, "_split", lambda seed, model: str(tmp_path / f"seed{seed}"))
     a = sweep_defaults.job_arguments("cond_detr", 707, 32)
     read = set(re.findall(r"\ba\.(\w+)", inspect.getsource(main_job.build)))
     assert read and all(hasattr(a, name) for name in read), sorted(n for n in read if not hasattr(a, n))
     assert a.num_images == 32 and a.data_root.endswith("seed707") and a.input_size is None
+
+
+def test_the_vit_detector_sweeps_on_its_own_two_key_512px_splits(monkeypatch):
+    """The ViT detector was trained on two-key 512 px images: its splits are generated so, in a
+    folder of their own; the 256 px detectors' splits stay where their results were made."""
+    from latte_plugin.data import synthetic
+
+    made = []
+    monkeypatch.setattr(synthetic, "make_synthetic_coco", lambda root, *a, **k: made.append((root, a, k)))
+    assert sweep_defaults._split(1313, "vit").endswith(os.path.join("sweep", "vit_seed1313"))
+    assert made[-1][1:] == ((200, 200, 512, 1313), {"two_keys": 0.75})
+    assert sweep_defaults._split(1313, "rtdetr").endswith(os.path.join("sweep", "seed1313"))
+    assert made[-1][1:] == ((200, 200, 256, 1313), {"two_keys": 0.0})
+    assert sweep_defaults.MODELS["vit"][0].endswith("deimv2_vit6_synthetic_latte.py")
 
 
 def _judge_results(tmp_path, detections_kept: float):
