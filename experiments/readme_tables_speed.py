@@ -109,8 +109,15 @@ def vit_goals(points: list[dict]) -> str:
     return "Goals. " + "; ".join(lines) + "."
 
 
-#: Rows timed with glibc's default allocator (not tools/cpu_env.sh): a separate verdict.
+#: A run with glibc's default allocator: its rows get a verdict of their own (:func:`_allocator`).
 GLIBC_DEFAULT_FILES = ("speed_predict_deimv2_vit_glibc_default.json",)
+
+
+def _allocator(res: dict) -> str:
+    """``glibc`` where the file records that none of tools/cpu_env.sh's settings was set, else
+    ``cpu_env`` (set, or files from before the record)."""
+    record = res.get("allocator")
+    return "glibc" if record is not None and not any(record.values()) else "cpu_env"
 
 
 def predict_rows() -> tuple[list[list], dict[str, tuple[float, str]]]:
@@ -121,8 +128,9 @@ def predict_rows() -> tuple[list[list], dict[str, tuple[float, str]]]:
     files = [f for f in PREDICT_FILES + GLIBC_DEFAULT_FILES if _load(f)] + [
         t for (_, _), (_, t) in VIT_RUNS.items() if _load(t)]
     for name in files:
-        setting = "glibc" if name in GLIBC_DEFAULT_FILES else "cpu_env"
-        for r in _load(name)["rows"]:
+        res = _load(name)
+        setting = _allocator(res)
+        for r in res["rows"]:
             if abs(r["error"]) > worst.get(setting, (0.0, ""))[0]:
                 worst[setting] = (abs(r["error"]), f"{r['model']} {r['side']} px {r['row']}")
             rows.append([r["model"], r["side"], r["row"], _modes(r["assignment"]), _x(r["predicted_speedup"]),
@@ -131,6 +139,8 @@ def predict_rows() -> tuple[list[list], dict[str, tuple[float, str]]]:
 
 
 def _error_verdict(worst: dict[str, tuple[float, str]], sep: str = ":") -> str:
+    """The prediction goal's verdict with tools/cpu_env.sh, and the largest error with glibc's
+    default allocator where such rows exist."""
     err, where = worst.get("cpu_env", (0.0, "-"))
     out = (f"{'met' if err <= ERROR_GOAL else 'missed'} with tools/cpu_env.sh's allocator (largest error "
            f"{100 * err:.0f}%{sep} {where})")

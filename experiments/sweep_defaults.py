@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
     # a file grown by several runs (budgets added later) keeps every command that wrote to it
     commands = [c for c in results.get("commands", [results.get("command")]) if c and c != command]
     rows = {**results.get("rows", {}), **{r: ALL_ROWS[r] for r in a.rows}}
-    results.update(command=command, commands=[*commands, command], split=SPLITS.get(a.models[0], SPLIT), rows=rows)
+    results.update(command=command, commands=[*commands, command], split=SPLIT, splits=SPLITS, rows=rows)
     for seed in a.seeds:
         if a.sequence_budgets:
             sweep_sequence(seed, a.sequence_budgets, results, a.results)
