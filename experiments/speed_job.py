@@ -5,6 +5,8 @@ row's assignment timed end to end in fresh processes (``benchmarks/speed_predict
 
     python -m experiments.speed_job --side 512 --split main
     python -m experiments.speed_job --side 512 --split seed1111 --data-root data/synthetic_512_2key_seed1111
+    python -m experiments.speed_job --side 1024 --split main --data-root data/synthetic_1024_2key \
+        --checkpoint checkpoints/deimv2_vit6_multiscale.pth
 
 Without ``--speedups``, the targets are 30%, 60% and 90% of the way from 1x to the largest
 speed-up the architecture's cost model offers at that size (measured here first, before any
@@ -36,6 +38,8 @@ def main(argv=None) -> dict:
     p.add_argument("--side", type=int, default=512, help="square input side (the pipelines' Resize)")
     p.add_argument("--split", default="main", help="the split's name in the results files (main, seed1111, ...)")
     p.add_argument("--data-root", default="data/synthetic_512_2key", help="the generated split")
+    p.add_argument("--checkpoint", default=CHECKPOINT,
+                   help="the weights (the 512-1,024 px fine-tune for sizes above 512: checkpoints/README.md)")
     p.add_argument("--speedups", nargs="+", help="speed-up targets (default: spread over the front, see above)")
     p.add_argument("--num-images", type=int, default=None, help="calibration images (default: the config's)")
     p.add_argument("--reps", type=int, default=5, help="timed passes per fresh process")
@@ -49,7 +53,7 @@ def main(argv=None) -> dict:
     speedups = a.speedups or targets(a.side, a.threads)
     job_file = os.path.join(a.results_dir, f"speed_deimv2_vit_{suffix}.json")
     rows = ["exact", "latte", "ours:auto", *(f"ours:speedup={s}" for s in speedups)]
-    main_job.main(["--config", CONFIG, "--checkpoint", CHECKPOINT, "--data-root", a.data_root, "--input-size",
+    main_job.main(["--config", CONFIG, "--checkpoint", a.checkpoint, "--data-root", a.data_root, "--input-size",
                    str(a.side), "--work-dir", f"work_dirs/speed/{suffix}", "--results", job_file, "--timing-reps", "3",
                    *(["--num-images", str(a.num_images)] if a.num_images else []), "--rows", *rows])
     return speed_predict.main(["--family", "deimv2", "--hf-config", HF_CONFIG, "--sizes", str(a.side), "--from", job_file,
