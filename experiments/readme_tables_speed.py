@@ -97,7 +97,8 @@ def vit_goals(points: list[dict]) -> str:
     for side, goal in GOALS.items():
         here = [p for p in points if p["side"] == side and p["row"] != "exact"]
         if not here:
-            lines.append(f"{side} px: no calibrated rows (the weights were not fine-tuned at this size; cost only below)")
+            lines.append(f"{side} px: no calibrated rows yet (cost only below; the 512-1,024 px weights: "
+                         "checkpoints/README.md)")
             continue
         splits = sorted({p["split"] for p in here})
         best = {s: max([p["measured"] for p in here if p["split"] == s and p["measured"] is not None
