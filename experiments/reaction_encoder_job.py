@@ -42,6 +42,8 @@ import json
 import os
 import random
 import re
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 
@@ -187,14 +189,12 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--results", help="results file (resumed if it exists), e.g. results/reaction_encoder.json")
     a = p.parse_args(argv)
+    from experiments.sweep_defaults import _done, _load, _record
     from latte_plugin.storage import atomic_write_json
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    results = {"entries": []}
-    if a.results and os.path.isfile(a.results):
-        with open(a.results) as f:
-            results = json.load(f)
+    results = _load(a.results)
     rxns, enc = reactions(), load_encoder()
     half = max(r["molecule"] for r in rxns) // 2
     pool = [r["smiles"] for r in rxns if r["molecule"] < half]
@@ -204,21 +204,15 @@ def main(argv=None) -> dict:
     results.update(model="rxnfp 0.1.0 bert_ft (12 layers, 4 heads, hidden 256)", ratio=a.ratio,
                    data={"pool": len(pool), "test": len(test), "reactions": len(rxns),
                          "median_tokens": sorted(x.shape[1] for x in test_ids)[len(test_ids) // 2]},
-                   command="python -m experiments.reaction_encoder_job " + " ".join(argv or os.sys.argv[1:]))
+                   command="python -m experiments.reaction_encoder_job " + shlex.join(argv or sys.argv[1:]))
     t0 = time.time()
     for seed in a.seeds:
         calib_all = [enc.ids(s) for s in random.Random(seed).sample(pool, max(a.budgets))]
         for budget in a.budgets:
             for name in a.rows:
-                if any(e["seed"] == seed and e["budget"] == budget and e["row"] == name for e in results["entries"]):
-                    continue
-                entry = {"seed": seed, "budget": budget, **run_row(name, enc, calib_all[:budget], test_ids, exact,
-                                                                     a.ratio)}
-                results["entries"].append(entry)
-                print(f"[reactions] seed {seed} budget {budget} {name}: cosine {entry['cosine']:.4f} "
-                      f"({entry['configuration']}, {entry['calibration_seconds']:.0f} s)", flush=True)
-                if a.results:
-                    atomic_write_json(results, a.results)
+                if not _done(results, seed=seed, budget=budget, row=name):
+                    _record(results, a.results, {"seed": seed, "budget": budget,
+                                                 **run_row(name, enc, calib_all[:budget], test_ids, exact, a.ratio)})
     results["seconds"] = results.get("seconds", 0.0) + round(time.time() - t0, 1)
     if a.results:
         atomic_write_json(results, a.results)
