@@ -189,8 +189,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--results", help="results file (resumed if it exists), e.g. results/reaction_encoder.json")
     a = p.parse_args(argv)
-    from experiments.sweep_defaults import _done, _load, _record
-    from latte_plugin.storage import atomic_write_json
+    from experiments.sweep_defaults import _done, _finish, _load, _record
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -213,10 +212,7 @@ def main(argv=None) -> dict:
                 if not _done(results, seed=seed, budget=budget, row=name):
                     _record(results, a.results, {"seed": seed, "budget": budget,
                                                  **run_row(name, enc, calib_all[:budget], test_ids, exact, a.ratio)})
-    results["seconds"] = results.get("seconds", 0.0) + round(time.time() - t0, 1)
-    if a.results:
-        atomic_write_json(results, a.results)
-    return results
+    return _finish(results, a.results, t0)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,14 @@ def _done(results: dict, **key) -> bool:
     return any(all(e.get(k) == v for k, v in key.items()) for e in results["entries"])
 
 
+def _finish(results: dict, path: str, t0: float) -> dict:
+    """Adds this run's wall time (since ``t0``) to ``results["seconds"]`` and writes the file (atomic)."""
+    results["seconds"] = results.get("seconds", 0.0) + round(time.time() - t0, 1)
+    if path:
+        atomic_write_json(results, path)
+    return results
+
+
 def _record(results: dict, path: str, entry: dict) -> None:
     results["entries"].append(entry)
     if path:
@@ -180,10 +188,7 @@ def main(argv=None) -> dict:
         for model in (m for m in a.models if m != "none"):
             with quiet(os.path.join(ROOT, "work_dirs", "sweep", "sweep.log")):
                 sweep_detector(model, seed, a.budgets, results, a.results, tuple(a.rows))
-    results["seconds"] = results.get("seconds", 0.0) + round(time.time() - t0, 1)
-    if a.results:
-        atomic_write_json(results, a.results)
-    return results
+    return _finish(results, a.results, t0)
 
 
 if __name__ == "__main__":
