@@ -330,7 +330,9 @@ def reaction_encoder_table() -> str:
     d = res["data"]
     commands = "; ".join(f"`{r['command']}` ({r['seconds'] / 60:.0f} min)" if "seconds" in r
                          else f"`{r['command']}` (stopped before the end)" for r in files)
-    note = (f"{commands}, one thread each; {res['model']}, "
+    # a resumed run records only its own wall time; threads are torch's default unless the command names them
+    note = (f"{commands} (minutes: the last run of each command, so a resumed one counts only its own part); "
+            f"{res['model']}, "
             f"{round(100 * res['ratio'])}% of the 12 layers linear; cosine of the fingerprint to the exact model's, "
             f"mean over {d['test']} test reactions (median {d['median_tokens']} tokens) of {d['reactions']} made "
             f"(calibration pool {d['pool']}). ")
