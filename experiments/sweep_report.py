@@ -82,8 +82,13 @@ def _rows(entries: list[dict]) -> tuple:
     return tuple((r, n) for r, n in ROWS if any(e["row"] == r for e in entries))
 
 
-def _mean_worst(values: list) -> str:
-    return f"{_pct(statistics.mean(values))} ({_pct(min(values))})" if values else "-"
+def _mean_worst(values: list, splits: int = 0) -> str:
+    """``mean (worst)`` in percent; with ``splits`` larger than the values, the count they came
+    from is named, so that a row run on fewer splits than the cell is not read as all of them."""
+    if not values:
+        return "-"
+    text = f"{_pct(statistics.mean(values))} ({_pct(min(values))})"
+    return text + (f" [{len(values)} of {splits} splits]" if len(values) < splits else "")
 
 
 def table(entries: list[dict]) -> str:
@@ -95,7 +100,7 @@ def table(entries: list[dict]) -> str:
     head += ["earlier rule at 83%: mean (worst)"][: len(at83_rows) - 1]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells(entries):
-        vals = [_mean_worst([c["rows"][r][s] for s in c["seeds"] if s in c["rows"][r]]) for r, _ in rows]
+        vals = [_mean_worst([c["rows"][r][s] for s in c["seeds"] if s in c["rows"][r]], len(c["seeds"])) for r, _ in rows]
         at83 = [_mean_worst(list(c["rows"][r].values())) for r in at83_rows]
         lines.append("| " + " | ".join([c["label"], str(c["budget"]), str(len(c["seeds"]))] + vals + [
             f"{100 * min(c['margin'].values()):+.1f}", f"{c['within']}/{len(c['seeds'])} (noise {_pct(c['noise'])})"]
@@ -158,8 +163,8 @@ def plot(entries: list[dict], out: str) -> None:
         mine = [c for c in cs if c["model"] == model]
         budgets = [c["budget"] for c in mine]
         for (r, name), color in zip(ROWS, ("tab:gray", "tab:blue", "tab:orange", "tab:red")):
-            if not all(c["rows"][r] for c in mine):
-                continue
+            if not all(set(c["seeds"]) <= set(c["rows"][r]) for c in mine):
+                continue  # a row run on fewer splits: its mean would not compare (the table names it)
             means = [statistics.mean(c["rows"][r].values()) for c in mine]
             worst = [min(c["rows"][r].values()) for c in mine]
             ax.plot(budgets, means, "o-", color=color, label=f"{name} (mean)")

@@ -36,6 +36,11 @@ def test_cells_compare_ours_with_the_best_other_row_per_split_within_the_measure
     assert table.endswith("Missed (model, budget, split): Conditional DETR, 8, seed 2: ours 90.00 vs previous defaults 95.00.")
 
 
+def test_a_row_run_on_fewer_splits_than_its_cell_names_how_many():
+    entries = _entries() + [{"model": "cond_detr", "seed": 1, "budget": 8, "row": "earlier", "kept": 0.96}]
+    assert "| 95.0 (95.0) | 96.0 (96.0) [1 of 2 splits] | 93.5 (90.0) |" in sweep_report.table(entries)
+
+
 def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     path = str(tmp_path / "sweep.json")
     results = {"entries": []}
