@@ -125,7 +125,7 @@ def results_file(report: dict, a: argparse.Namespace) -> dict:
                              "heldout_distortion": r["selection"].get("heldout_distortion"),
                              "selection": {k: r["selection"].get(k) for k in (
                                  "method", "chosen", "configuration", "comparison", "target", "halves", "judge_images",
-                                 "greedy_images", "heldout", "compensation", "searched_again")},
+                                 "greedy_images", "heldout", "compensation", "searched_again", "confirmed")},
                              "layers": {n: dict({k: f.get(k) for k in ("steps", "refit_reg", "correction", "applied",
                                                                        "heldout_mse", "heldout", "choice", "kernel",
                                                                        "mode")},

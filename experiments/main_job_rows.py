@@ -64,9 +64,13 @@ ROWS = [
     # the defaults before the adaptive choices (issue #13): fixed greedy + ridge refit, a quarter held out
     Row("old default", {"selection": "greedy", "correction": "refit", "compensate": "never", "holdout": 0.25}),
     Row("ours:compensate=always", {"compensate": "always"}),
-    # the choice rule before the evidence reference: the paper's protocol as reference
-    Row("ours:reference=paper", {"reference": "paper"}),
-    Row("ours:reference=paper@83%", {"reference": "paper", "ratio": 0.83, "num_linear": None}),
+    # the choice rule before the evidence reference: the paper's protocol as reference (and the final set
+    # searched again where the halves disagree, as then)
+    Row("ours:reference=paper", {"reference": "paper", "final_set": "search"}),
+    Row("ours:reference=paper@83%", {"reference": "paper", "final_set": "search", "ratio": 0.83, "num_linear": None}),
+    # the defaults before the final set was confirmed on unsearched images (docs/method.md#final-set)
+    Row("ours:final_set=search", {"final_set": "search"}),
+    Row("ours:final_set=search@83%", {"final_set": "search", "ratio": 0.83, "num_linear": None}),
     Row("ours:auto@83%", {"ratio": 0.83, "num_linear": None}),
     Row("ours:score@83%", {"selection": "score", "ratio": 0.83, "num_linear": None}),
     Row("ours:greedy@83%", {"selection": "greedy", "ratio": 0.83, "num_linear": None}),

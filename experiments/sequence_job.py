@@ -39,7 +39,7 @@ PAPER = {"selection": "score", "holdout": 0.0, "correction": "sigma", "compensat
 #: The defaults before issue 26: fixed greedy + ridge refit, no compensation, a quarter of the images held out.
 PREVIOUS = {"selection": "greedy", "correction": "refit", "compensate": "never", "holdout": 0.25}
 #: the choice rule before the evidence reference (the paper's protocol as its reference)
-EARLIER = {"reference": "paper"}
+EARLIER = {"reference": "paper", "final_set": "search"}
 ROWS = [("exact", None), ("uniform", None),
         ("paper latte", dict(PAPER)), ("paper qtvit", dict(PAPER, variant="qtvit")),
         ("previous defaults", dict(PREVIOUS)),

@@ -307,3 +307,64 @@ def test_the_judge_setting_decides_what_compares_configurations_and_compensation
     cmp = sel["comparison"]
     assert sel["configuration"].removesuffix("+compensation") in (cmp["reference"], cmp["best"])
     assert cmp["best"] == min(cmp["losses"], key=cmp["losses"].get)
+
+
+def _disagreeing_searches(monkeypatch):
+    """The first half's search and the search run again take the sharp layer 0 (two different
+    sets); the second half's search does not."""
+    import latte_plugin.calibration.flow as flow
+
+    real, calls = flow.candidate_sets, []
+
+    def searches(methods, layers, sens, ks, distortion):
+        sets, traces = real(methods, layers, sens, ks, distortion)
+        calls.append(ks)
+        picks = {1: ["layers.0.attn", "layers.1.attn", "layers.2.attn"], 2: ["layers.3.attn", "layers.4.attn",
+                 "layers.5.attn"], 3: ["layers.0.attn", "layers.4.attn", "layers.5.attn"]}[min(len(calls), 3)]
+        sets.update({(m, k): [n for n in layers if n in picks] for m in methods if m != "score" for k in ks})
+        return sets, traces
+
+    monkeypatch.setattr(flow, "candidate_sets", searches)
+    return calls
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("final_set", ["confirm", "search"])
+def test_the_final_set_is_confirmed_on_images_no_search_saw(monkeypatch, final_set):
+    """Layer 0 is sharp (its linear form is poor). The halves' searches disagree, and the search
+    run again takes layer 0. Judged on the 12 images neither search compared outputs on, the
+    second half's set (without layer 0) is kept under ``final_set='confirm'``, and it is better
+    on inputs no step saw; ``final_set='search'`` keeps the set searched again (the rule before)."""
+    calls = _disagreeing_searches(monkeypatch)
+    model = ToyEncoder().eval()
+    model.layers[0].attn.in_proj_weight[: 2 * 32] *= 6.0
+    swap_mha(model, ["layers.*.attn"])
+    cfg = LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, ratio=0.5, selection="greedy",
+                      compensate="never", final_set=final_set)
+    rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b), cfg, log=lambda s: None)
+    sel = rep["selection"]
+    assert len(calls) == 3 and sel["searched_again"]
+    searched_again = ["layers.0.attn", "layers.4.attn", "layers.5.attn"]
+    if final_set == "search":
+        assert rep["linearized"] == searched_again and "confirmed" not in sel
+        return
+    confirmed = sel["confirmed"]
+    assert confirmed["images"] == 12 and confirmed["sets"][0] == searched_again and len(confirmed["sets"]) == 3
+    assert rep["linearized"] == ["layers.3.attn", "layers.4.attn", "layers.5.attn"] == confirmed["sets"][confirmed["kept"]]
+    assert min(confirmed["losses"]) == confirmed["losses"][confirmed["kept"]] < confirmed["losses"][0]
+    layers = find_latte_layers(model)
+    fresh = output_distortion(layers, list(enumerate(toy_batches(n=8, seed=5))), lambda b: model(b), lambda t: t)
+    assert fresh(rep["linearized"]) < fresh(searched_again)
+
+
+@torch.no_grad()
+def test_with_no_unsearched_image_the_set_searched_again_is_kept(monkeypatch):
+    """8 images, 4 searched per half: nothing is left to confirm on, and the rule is the one before."""
+    _disagreeing_searches(monkeypatch)
+    model = ToyEncoder().eval()
+    swap_mha(model, ["layers.*.attn"])
+    cfg = LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=8, ratio=0.5, selection="greedy",
+                      compensate="never")
+    rep = calibrate_model(model, toy_batches(n=8), lambda b: model(b), cfg, log=lambda s: None)
+    assert rep["selection"]["confirmed"]["images"] == 0 and rep["selection"]["confirmed"]["kept"] == 0
+    assert rep["linearized"] == ["layers.0.attn", "layers.4.attn", "layers.5.attn"]

@@ -41,6 +41,25 @@ def test_a_row_run_on_fewer_splits_than_its_cell_names_how_many():
     assert "| 95.0 (95.0) | 96.0 (96.0) [1 of 2 splits] | 93.5 (90.0) |" in sweep_report.table(entries)
 
 
+def test_the_confirmed_row_is_judged_on_the_splits_it_ran_on_and_its_misses_named():
+    """A split where only ``confirmed`` ran joins the cell; each judged row gets its own margin,
+    count within the noise and misses."""
+    entries = _entries() + [{"model": "cond_detr", "seed": s, "budget": 8, "row": "confirmed", "kept": k}
+                            for s, k in ((1, 0.96), (2, 0.94))]
+    entries += [{"model": "cond_detr", "seed": 3, "budget": None, "row": "exact", "bbox_mAP": 0.62, "kept": 1.0}]
+    entries += [{"model": "cond_detr", "seed": 3, "budget": 8, "row": r, "kept": k}
+                for r, k in (("paper", 0.5), ("previous", 0.95), ("confirmed", 0.80))]
+    det = {(c["model"], c["budget"]): c for c in sweep_report.cells(entries)}[("cond_detr", 8)]
+    assert det["seeds"] == [1, 2, 3] and det["margin"] == pytest.approx({1: 0.02, 2: -0.05})
+    assert det["margins"]["confirmed"] == pytest.approx({1: 0.01, 2: -0.01, 3: -0.15})
+    assert det["within_by_row"] == {"ours": 1, "confirmed": 2}
+    table = sweep_report.table(entries)
+    assert "| 93.5 (90.0) [2 of 3 splits] | 90.0 (80.0) | -5.0 | 1/2 (noise 3.2) | -15.0 | 2/3 (noise 3.2) |" in table
+    assert "Conditional DETR, 8, seed 3: ours, final set confirmed 80.00 vs previous defaults 95.00" in table
+    assert "confirmed keeps 80.0% (goal 90.0%)" in table
+    assert "ours on 3 of 4; ours, final set confirmed on 2 of 3 split x budget cells" in sweep_report.summary(entries)
+
+
 def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     path = str(tmp_path / "sweep.json")
     results = {"entries": []}
@@ -52,7 +71,12 @@ def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     again = sweep_defaults._load(path)
     assert sweep_defaults._done(again, model="cond_detr", seed=3, budget=8, row="ours")
     assert not sweep_defaults._done(again, model="cond_detr", seed=3, budget=16, row="ours")
-    assert set(sweep_defaults.DETECTOR_ROWS) == {"paper", "previous", "earlier", "ours", "ours@83%", "earlier@83%"}
+    assert set(sweep_defaults.DETECTOR_ROWS) == {"paper", "previous", "earlier", "ours", "ours@83%", "earlier@83%",
+                                                 "confirmed", "confirmed@83%"}
+    # ``ours`` stays the settings its entries were run with; ``confirmed`` is the package defaults
+    rows = {row.name: row.changes for row in main_job_rows.ROWS}
+    assert rows[sweep_defaults.DETECTOR_ROWS["ours"]] == {"final_set": "search"}
+    assert rows[sweep_defaults.DETECTOR_ROWS["confirmed"]] == {}
     assert all(sweep_defaults.ALL_ROWS[r] in {row.name for row in main_job_rows.ROWS} for r in sweep_defaults.DETECTOR_ROWS)
 
 

@@ -17,7 +17,7 @@ from ..ops import BACKENDS, ORDERS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
 __all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES",
            "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
-           "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "EVIDENCE_SELECTIONS", "EVIDENCE_REFERENCE", "REFERENCES", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
+           "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "EVIDENCE_SELECTIONS", "EVIDENCE_REFERENCE", "REFERENCES", "FINAL_SETS", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
            "PIECEWISE_SLACK", "num_linear_layers"]
 
 #: Layer selections; ``auto`` compares the others as parts of whole configurations, judged end to
@@ -87,6 +87,10 @@ EVIDENCE_REFERENCE = ("greedy", "refit")
 #: above, a moderated standard error, and compensation under the same rule) or ``paper`` (the
 #: paper's score with sigma as reference, the plain standard error: the earlier rule).
 REFERENCES = ("evidence", "paper")
+#: How the final linear set of a searched configuration is picked (``docs/method.md#final-set``):
+#: ``confirm`` judges the searches' sets on the images no search compared outputs on; ``search``
+#: takes the halves' common set, else the set searched again on every search image (the rule before).
+FINAL_SETS = ("confirm", "search")
 
 
 def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, nargs: Optional[str] = None) -> Any:
@@ -174,6 +178,11 @@ class LatteConfig:
                                     "the most layers within target; the paper's protocol) or speed (per-layer modes "
                                     "for speedup, or the highest predicted speed-up within target)", CHOOSE_FOR)
     lam: float = _opt(10.0, "lambda of the sensitivity score")
+    final_set: str = _opt("confirm", "how a searched configuration's final set is picked: confirm (each half's set "
+                                     "and, where they differ, the set searched again on every search image, judged "
+                                     "cross-fitted on the fit and choice images no search compared outputs on: the "
+                                     "lowest loss is kept) or search (the halves' common set, else the set searched "
+                                     "again: the rule before)", FINAL_SETS)
     greedy_images: int = _opt(8, "calibration images the greedy and backward searches compare outputs on (at most "
                                  "the first half of the images when configurations are compared: the rest judge)")
     mode: str = _opt("linear", "mode of the selected layers at inference: linear, or dynamic (softmax below "
@@ -249,6 +258,8 @@ class LatteConfig:
             raise ValueError(f"compensate must be one of {', '.join(COMPENSATE)}, got {self.compensate!r}")
         if self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
+        if self.final_set not in FINAL_SETS:
+            raise ValueError(f"final_set must be one of {', '.join(FINAL_SETS)}, got {self.final_set!r}")
         if self.judge not in JUDGES:
             raise ValueError(f"judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
         if self.calibrate not in CALIBRATE:

@@ -24,7 +24,7 @@ from .context import ROLES, CalibrationRun, Host, Measure
 from .corrections import CorrectionTable, FitOptions, LayerRecords, set_correction
 from .fit import fit_records
 from .judge import (CrossFitJudge, HalfSearch, Verdict, across_halves, configuration_judge, fold_assignment, measured, merged,
-                    on_every_image, output_distortion, split_calibration)
+                    on_every_image, output_distortion, split_calibration, unsearched)
 from .measures import RawDistortion
 from .record import record_layers
 from .report import ShareResult, build_report, fit_entry
@@ -326,9 +326,11 @@ def _select_configuration(run: CalibrationRun, fitted: _Fitted, ks: Sequence[int
 
 
 def _final_set(run: CalibrationRun, chosen: Configuration, fitted: _Fitted, how: dict) -> tuple:
-    """The chosen configuration refitted on every image: with one half, its search's set; a
-    ``score`` set from the score summed over both halves; a search's set where both halves'
-    searches agree, else the search run again on every image. Returns ``(configuration, trace)``."""
+    """The chosen configuration's linear set: with one half, its search's set; a ``score`` set
+    from the score summed over both halves; a search's set where both halves' searches agree,
+    else the search run again on every search image; with ``final_set='confirm'`` that set and
+    each half's are judged on the images no search saw (:func:`_confirmed`). Returns
+    ``(configuration, trace)``."""
     m, k, halves = chosen.method, chosen.k, fitted.halves
     if not k:
         return chosen, []
@@ -336,13 +338,39 @@ def _final_set(run: CalibrationRun, chosen: Configuration, fitted: _Fitted, how:
         return replace(chosen, layers=halves[0].sets[(m, k)]), halves[0].traces.get(m, [])
     if m == "score":
         layers, trace = select_by_score(scores(summed_stats(h.stats for h in halves), run.cfg.lam), k), []
-    elif set(halves[0].sets[(m, k)]) == set(halves[1].sets[(m, k)]):
-        layers, trace = halves[0].sets[(m, k)], halves[0].traces.get(m, [])
+        return replace(chosen, layers=[n for n in run.layers if n in layers]), trace
+    found = [(h.sets[(m, k)], h.traces.get(m, [])) for h in halves]
+    if set(found[0][0]) == set(found[1][0]):
+        layers, trace = found[0]
     else:
         sets, traces = _search(run, [h.searcher for h in halves], {}, [k], fitted.corrections, (m,))
         layers, trace = sets[(m, k)], traces.get(m, [])
         how["searched_again"] = "the halves' searches disagreed: searched again on every image"
+        if run.cfg.final_set == "confirm":
+            layers, trace, how["confirmed"] = _confirmed(run, fitted.corrections[chosen.rule], [(layers, trace), *found])
     return replace(chosen, layers=[n for n in run.layers if n in layers]), trace
+
+
+def _confirmed(run: CalibrationRun, corrections: Mapping, candidates: list) -> tuple[list, list, dict]:
+    """Of the candidate ``(layers, trace)`` (distinct sets, the set searched again first), the one of
+    lowest cross-fitted ``run.judge`` loss on the fit and choice images no search compared outputs
+    on (:func:`~.judge.unsearched`; the first wins ties); the first where there are none.
+
+    Returns:
+        ``(layers, trace, {"sets", "losses", "kept", "images"})`` (the last for the report).
+    """
+    distinct = [c for i, c in enumerate(candidates) if all(set(c[0]) != set(d[0]) for d in candidates[:i])]
+    batches = unsearched(run.split)
+    images = int(run.reduce(torch.tensor([float(len(batches))], dtype=torch.float64))[0])
+    info: dict = {"sets": [list(c[0]) for c in distinct], "images": images, "measure": run.judge.name}
+    if images == 0:
+        return (*distinct[0], {**info, "kept": 0, "losses": None})
+    judge = CrossFitJudge(run.layers, batches, run.fold_of, run.reduce)(run.judge, corrections)
+    losses = [judge(list(c[0])).loss for c in distinct]
+    kept = min(range(len(distinct)), key=lambda i: (losses[i], i))
+    run.log(f"[latte] final set confirmed on {images} unsearched images: "
+            + ", ".join(f"{len(c[0])} layers {v:.4e}" for c, v in zip(distinct, losses)) + f" -> candidate {kept}")
+    return (*distinct[kept], {**info, "kept": kept, "losses": losses})
 
 
 def _choose_compensation(run: CalibrationRun, chosen: Configuration,

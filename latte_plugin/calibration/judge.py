@@ -26,7 +26,7 @@ from .measures import RawDistortion
 
 __all__ = ["image_role", "compares_configurations", "split_calibration",
            "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "merged", "cross_fitted", "CrossFitJudge",
-           "HalfSearch", "across_halves", "on_every_image", "configuration_judge"]
+           "HalfSearch", "across_halves", "on_every_image", "unsearched", "configuration_judge"]
 
 
 def image_role(position: int, holdout: float) -> str:
@@ -228,6 +228,14 @@ def across_halves(halves: list, measure: Measure, corrections: Any, rule: str, m
 def on_every_image(halves: list, measure: Measure, corrections: Mapping[str, FittedCorrection], key: str, layers: list[str]) -> Verdict:
     """``layers`` judged on every fit and choice image with ``corrections`` (cross-fitted)."""
     return merged([h.judge(measure, corrections, key)(layers) for h in halves], measure)
+
+
+def unsearched(split: CalibrationSplit) -> list:
+    """This rank's fit and choice images that no search compared outputs on (``(position, batch)``
+    in position order): they judge the searches' sets without the bias of the images a set was
+    found on (``docs/method.md#final-set``)."""
+    searched = {p for g in split.greedy for p, _ in g}
+    return [pb for pb in split.used if pb[0] not in searched]
 
 
 def configuration_judge(cfg: LatteConfig, forward: Callable[[Any], Any], detections: Optional[Measure]) -> Measure:
