@@ -24,7 +24,7 @@ from .context import ROLES, CalibrationRun, Host, Measure
 from .corrections import CorrectionTable, FitOptions, LayerRecords, set_correction
 from .fit import fit_records
 from .judge import (CrossFitJudge, HalfSearch, Verdict, across_halves, configuration_judge, fold_assignment, measured, merged,
-                    on_every_image, output_distortion, split_calibration, unsearched)
+                    on_every_image, output_distortion, split_calibration, confirmed_set)
 from .measures import RawDistortion
 from .record import record_layers
 from .report import ShareResult, build_report, fit_entry
@@ -329,7 +329,7 @@ def _final_set(run: CalibrationRun, chosen: Configuration, fitted: _Fitted, how:
     """The chosen configuration's linear set: with one half, its search's set; a ``score`` set
     from the score summed over both halves; a search's set where both halves' searches agree,
     else the search run again on every search image; with ``final_set='confirm'`` that set and
-    each half's are judged on the images no search saw (:func:`_confirmed`). Returns
+    each half's are judged on the images no search saw (:func:`~.judge.confirmed_set`). Returns
     ``(configuration, trace)``."""
     m, k, halves = chosen.method, chosen.k, fitted.halves
     if not k:
@@ -347,30 +347,8 @@ def _final_set(run: CalibrationRun, chosen: Configuration, fitted: _Fitted, how:
         layers, trace = sets[(m, k)], traces.get(m, [])
         how["searched_again"] = "the halves' searches disagreed: searched again on every image"
         if run.cfg.final_set == "confirm":
-            layers, trace, how["confirmed"] = _confirmed(run, fitted.corrections[chosen.rule], [(layers, trace), *found])
+            layers, trace, how["confirmed"] = confirmed_set(run, fitted.corrections[chosen.rule], [(layers, trace), *found])
     return replace(chosen, layers=[n for n in run.layers if n in layers]), trace
-
-
-def _confirmed(run: CalibrationRun, corrections: Mapping, candidates: list) -> tuple[list, list, dict]:
-    """Of the candidate ``(layers, trace)`` (distinct sets, the set searched again first), the one of
-    lowest cross-fitted ``run.judge`` loss on the fit and choice images no search compared outputs
-    on (:func:`~.judge.unsearched`; the first wins ties); the first where there are none.
-
-    Returns:
-        ``(layers, trace, {"sets", "losses", "kept", "images"})`` (the last for the report).
-    """
-    distinct = [c for i, c in enumerate(candidates) if all(set(c[0]) != set(d[0]) for d in candidates[:i])]
-    batches = unsearched(run.split)
-    images = int(run.reduce(torch.tensor([float(len(batches))], dtype=torch.float64))[0])
-    info: dict = {"sets": [list(c[0]) for c in distinct], "images": images, "measure": run.judge.name}
-    if images == 0:
-        return (*distinct[0], {**info, "kept": 0, "losses": None})
-    judge = CrossFitJudge(run.layers, batches, run.fold_of, run.reduce)(run.judge, corrections)
-    losses = [judge(list(c[0])).loss for c in distinct]
-    kept = min(range(len(distinct)), key=lambda i: (losses[i], i))
-    run.log(f"[latte] final set confirmed on {images} unsearched images: "
-            + ", ".join(f"{len(c[0])} layers {v:.4e}" for c, v in zip(distinct, losses)) + f" -> candidate {kept}")
-    return (*distinct[kept], {**info, "kept": kept, "losses": losses})
 
 
 def _choose_compensation(run: CalibrationRun, chosen: Configuration,

@@ -20,13 +20,13 @@ from torch import Tensor
 from ..nn.install import set_modes
 from ..nn.params import LatteParams
 from .config import CROSS_FIT_FOLDS, LatteConfig
-from .context import ROLES, AllReduce, CalibrationSplit, Measure
+from .context import ROLES, AllReduce, CalibrationRun, CalibrationSplit, Measure
 from .corrections import FittedCorrection, assign_folds, set_correction
 from .measures import RawDistortion
 
 __all__ = ["image_role", "compares_configurations", "split_calibration",
            "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "merged", "cross_fitted", "CrossFitJudge",
-           "HalfSearch", "across_halves", "on_every_image", "unsearched", "configuration_judge"]
+           "HalfSearch", "across_halves", "on_every_image", "unsearched", "confirmed_set", "configuration_judge"]
 
 
 def image_role(position: int, holdout: float) -> str:
@@ -236,6 +236,28 @@ def unsearched(split: CalibrationSplit) -> list:
     found on (``docs/method.md#final-set``)."""
     searched = {p for g in split.greedy for p, _ in g}
     return [pb for pb in split.used if pb[0] not in searched]
+
+
+def confirmed_set(run: CalibrationRun, corrections: Mapping, candidates: list) -> tuple[list, list, dict]:
+    """Of the candidate ``(layers, trace)`` (distinct sets, the set searched again first), the one of
+    lowest cross-fitted ``run.judge`` loss on the fit and choice images no search compared outputs
+    on (:func:`~.judge.unsearched`; the first wins ties); the first where there are none.
+
+    Returns:
+        ``(layers, trace, {"sets", "losses", "kept", "images"})`` (the last for the report).
+    """
+    distinct = [c for i, c in enumerate(candidates) if all(set(c[0]) != set(d[0]) for d in candidates[:i])]
+    batches = unsearched(run.split)
+    images = int(run.reduce(torch.tensor([float(len(batches))], dtype=torch.float64))[0])
+    info: dict = {"sets": [list(c[0]) for c in distinct], "images": images, "measure": run.judge.name}
+    if images == 0:
+        return (*distinct[0], {**info, "kept": 0, "losses": None})
+    judge = CrossFitJudge(run.layers, batches, run.fold_of, run.reduce)(run.judge, corrections)
+    losses = [judge(list(c[0])).loss for c in distinct]
+    kept = min(range(len(distinct)), key=lambda i: (losses[i], i))
+    run.log(f"[latte] final set confirmed on {images} unsearched images: "
+            + ", ".join(f"{len(c[0])} layers {v:.4e}" for c, v in zip(distinct, losses)) + f" -> candidate {kept}")
+    return (*distinct[kept], {**info, "kept": kept, "losses": losses})
 
 
 def configuration_judge(cfg: LatteConfig, forward: Callable[[Any], Any], detections: Optional[Measure]) -> Measure:
