@@ -153,6 +153,14 @@ def updated(new: dict, path: str) -> dict:
         old = json.load(f)
     for key in ("metrics", "choices"):
         old.setdefault(key, {}).update(new.get(key, {}))
+    exact_map = old["metrics"].get("exact", {}).get("bbox_mAP")
+    if exact_map and exact_map > 0:  # a run without the exact row keeps its share against the file's
+        for row, m in old["metrics"].items():
+            if m.get("bbox_mAP") is not None:
+                m["retained"] = m["bbox_mAP"] / exact_map
+    old["rows"] = old.get("rows", []) + [r for r in new.get("rows", []) if r not in old.get("rows", [])]
+    if old.get("default_row") in old["metrics"]:
+        old["retained"] = old["metrics"][old["default_row"]].get("retained")
     old["updates"] = old.get("updates", []) + [{"command": new["command"] + " --update", "rows": list(new["metrics"]),
                                                 "date": time.strftime("%Y-%m-%d")}]
     return old

@@ -9,11 +9,20 @@ row's assignment timed end to end in fresh processes (``benchmarks/speed_predict
 
 Without ``--speedups``, the targets are 30%, 60% and 90% of the way from 1x to the largest
 speed-up the architecture's cost model offers at that size (measured here first, before any
-calibration: no accuracy figure picks them).
+calibration: no accuracy figure picks them). The job file keeps them (``speedup_targets``), so a
+job split over several sessions keeps its targets.
+
+At 1,440 px a calibration takes about half an hour here, so ``--rows`` runs part of the job: the
+rows named are calibrated and evaluated and written into the job file beside the rows already
+there (``main_job --update``); the end-to-end timing runs once every row is in the file.
+
+    python -m experiments.speed_job --side 1440 --split main --data-root data/synthetic_1440_2key --rows exact latte
+    python -m experiments.speed_job --side 1440 --split main --data-root data/synthetic_1440_2key --rows ours:auto
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 CONFIG = "configs/mmdet/embedded/deimv2_vit6_synthetic_latte.py"
@@ -47,21 +56,45 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=5, help="timed passes per fresh process")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--results-dir", default="results")
+    p.add_argument("--rows", nargs="+", help="run only these of the job's rows (exact, latte, ours:auto, "
+                                             "ours:speedup=X); the others already in the job file are kept")
     a = p.parse_args(argv)
     from benchmarks import speed_predict
     from experiments import main_job
+    from latte_plugin.storage import atomic_write_json
 
     suffix = f"{a.side}" + ("" if a.split == "main" else f"_{a.split}")
-    speedups = a.speedups or targets(a.side, a.threads)
     job_file = os.path.join(a.results_dir, f"speed_deimv2_vit_{suffix}.json")
+    job = _load(job_file)
+    speedups = a.speedups or job.get("speedup_targets") or targets(a.side, a.threads)
     rows = ["exact", "latte", "ours:auto", *(f"ours:speedup={s}" for s in speedups)]
+    unknown = [r for r in a.rows or [] if r not in rows]
+    if unknown:
+        raise SystemExit(f"--rows: {unknown[0]!r} is not a row of this job; its rows: {' '.join(rows)}")
+    update = bool(a.rows) and bool(job)
     checkpoint = a.checkpoint or (CHECKPOINT if a.side <= 512 else MULTISCALE_CHECKPOINT)
     main_job.main(["--config", CONFIG, "--checkpoint", checkpoint, "--data-root", a.data_root, "--input-size",
                    str(a.side), "--work-dir", f"work_dirs/speed/{suffix}", "--results", job_file, "--timing-reps", "3",
-                   *(["--num-images", str(a.num_images)] if a.num_images else []), "--rows", *rows])
+                   *(["--num-images", str(a.num_images)] if a.num_images else []), "--rows", *(a.rows or rows),
+                   *(["--update"] if update else [])])
+    job = _load(job_file)
+    atomic_write_json({**job, "speedup_targets": list(speedups)}, job_file)
+    missing = [r for r in rows if r not in job.get("metrics", {})]
+    if missing:
+        print(f"[speed] {job_file}: rows still to run: {' '.join(missing)} (--rows ...); the end-to-end timing "
+              f"runs once every row is there", flush=True)
+        return {"missing": missing}
     return speed_predict.main(["--family", "deimv2", "--hf-config", HF_CONFIG, "--sizes", str(a.side), "--from", job_file,
                                "--label", f"ViT DEIMv2 ({a.split})", "--reps", str(a.reps), "--threads", str(a.threads),
                                "--json", os.path.join(a.results_dir, f"speed_measured_deimv2_vit_{suffix}.json")])
+
+
+def _load(path: str) -> dict:
+    """The job file, or {} before the first run."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":

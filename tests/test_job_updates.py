@@ -1,0 +1,29 @@
+"""Jobs split over several runs: ``main_job --update`` and ``speed_job --rows`` (no calibration)."""
+import json
+
+import pytest
+
+
+def test_an_update_without_the_exact_row_keeps_the_share_against_the_files_exact(tmp_path):
+    from experiments.main_job import updated
+
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"default_row": "ours:auto", "rows": ["exact", "latte"], "choices": {},
+                                "metrics": {"exact": {"bbox_mAP": 0.8, "retained": 1.0},
+                                            "latte": {"bbox_mAP": 0.4, "retained": 0.5}}}))
+    new = {"command": "python -m experiments.main_job --rows ours:auto", "rows": ["ours:auto"],
+           "metrics": {"ours:auto": {"bbox_mAP": 0.76, "retained": float("nan")}}, "choices": {"ours:auto": {}}}
+    out = updated(new, str(path))
+    assert out["metrics"]["ours:auto"]["retained"] == pytest.approx(0.95)
+    assert out["metrics"]["latte"]["retained"] == pytest.approx(0.5)
+    assert out["rows"] == ["exact", "latte", "ours:auto"]
+    assert out["retained"] == pytest.approx(0.95)
+    assert out["updates"][-1]["rows"] == ["ours:auto"]
+
+
+def test_the_speed_job_refuses_a_row_it_does_not_have(tmp_path):
+    from experiments import speed_job
+
+    with pytest.raises(SystemExit, match="'ours:speedup=9' is not a row of this job"):
+        speed_job.main(["--side", "1440", "--speedups", "1.5", "2", "--rows", "exact", "ours:speedup=9",
+                        "--results-dir", str(tmp_path)])
