@@ -104,6 +104,11 @@ def vit_goals(points: list[dict]) -> str:
             lines.append(f"{side} px: no calibrated rows yet (cost only below; the 512-1,024 px weights: "
                          "checkpoints/README.md)")
             continue
+        if all(p["measured"] is None for p in here):  # a job split over sessions (speed_job --rows)
+            lines.append(f"{side} px ({TOKENS[side]:,} tokens): not timed yet, the job is in progress (rows so far: "
+                         + ", ".join(f"{ROW_NAMES.get(p['row'], p['row'])} {_kept(p)}" for p in here)
+                         + "; the remaining rows and the end-to-end timing: experiments/speed_job.py --rows)")
+            continue
         splits = sorted({p["split"] for p in here})
         best = {s: max([p["measured"] for p in here if p["split"] == s and p["measured"] is not None
                         and p["kept"] is not None and p["kept"] >= KEPT_GOAL] or [1.0]) for s in splits}
@@ -112,6 +117,10 @@ def vit_goals(points: list[dict]) -> str:
                      f"{'met' if ok else 'missed'} (fastest measured at >= {100 * KEPT_GOAL:.0f}% kept: "
                      + ", ".join(f"{s} {b:.2f}x" for s, b in best.items()) + ")")
     return "Goals. " + "; ".join(lines) + "."
+
+
+def _kept(p: dict) -> str:
+    return "refused" if p.get("refused") else "-" if p["kept"] is None else f"{100 * p['kept']:.1f}% kept"
 
 
 #: A run with glibc's default allocator: its rows get a verdict of their own (:func:`_allocator`).
