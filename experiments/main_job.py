@@ -158,7 +158,7 @@ def updated(new: dict, path: str) -> dict:
         for row, m in old["metrics"].items():
             if m.get("bbox_mAP") is not None:
                 m["retained"] = m["bbox_mAP"] / exact_map
-    old["rows"] = old.get("rows", []) + [r for r in new.get("rows", []) if r not in old.get("rows", [])]
+    old.setdefault("rows", {}).update(new.get("rows", {}))  # row name -> its spec and linearized layers
     if old.get("default_row") in old["metrics"]:
         old["retained"] = old["metrics"][old["default_row"]].get("retained")
     old["updates"] = old.get("updates", []) + [{"command": new["command"] + " --update", "rows": list(new["metrics"]),

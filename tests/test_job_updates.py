@@ -8,15 +8,16 @@ def test_an_update_without_the_exact_row_keeps_the_share_against_the_files_exact
     from experiments.main_job import updated
 
     path = tmp_path / "job.json"
-    path.write_text(json.dumps({"default_row": "ours:auto", "rows": ["exact", "latte"], "choices": {},
+    path.write_text(json.dumps({"default_row": "ours:auto", "choices": {},
+                                "rows": {"exact": {"kind": "exact"}, "latte": {"kind": "latte"}},
                                 "metrics": {"exact": {"bbox_mAP": 0.8, "retained": 1.0},
                                             "latte": {"bbox_mAP": 0.4, "retained": 0.5}}}))
-    new = {"command": "python -m experiments.main_job --rows ours:auto", "rows": ["ours:auto"],
+    new = {"command": "python -m experiments.main_job --rows ours:auto", "rows": {"ours:auto": {"kind": "ours"}},
            "metrics": {"ours:auto": {"bbox_mAP": 0.76, "retained": float("nan")}}, "choices": {"ours:auto": {}}}
     out = updated(new, str(path))
     assert out["metrics"]["ours:auto"]["retained"] == pytest.approx(0.95)
     assert out["metrics"]["latte"]["retained"] == pytest.approx(0.5)
-    assert out["rows"] == ["exact", "latte", "ours:auto"]
+    assert list(out["rows"]) == ["exact", "latte", "ours:auto"]
     assert out["retained"] == pytest.approx(0.95)
     assert out["updates"][-1]["rows"] == ["ours:auto"]
 
