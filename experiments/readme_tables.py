@@ -98,7 +98,24 @@ def choices_table(model: str) -> str:
             f"{_num(cmp.get('gain'), '.2f')} +- {_num(cmp.get('standard_error'), '.2f')} (log scale) on "
             f"{cmp.get('images', '-')} images). Cross-fitted raw-output MSE of every candidate: {losses or '-'}. "
             f"Compensation: {'kept' if comp.get('kept') else 'not kept'}. Held-out ({held.get('kind', '-')}, "
-            f"{held.get('images', '-')} images): output MSE {_num(ch.get('heldout_distortion'), '.3e')}.")
+            f"{held.get('images', '-')} images): output MSE {_num(ch.get('heldout_distortion'), '.3e')}."
+            + _final_set(sel))
+
+
+def _final_set(sel: dict) -> str:
+    """How the linear set was settled: the halves' searches agreed, or (``final_set='confirm'``) the
+    candidate sets' losses on the images no search compared outputs on."""
+    conf = sel.get("confirmed")
+    if not sel.get("searched_again"):
+        return " Final set: the halves' searches agreed."
+    if not conf:
+        return f" Final set: {sel['searched_again']} (not confirmed)."
+    if not conf.get("losses"):
+        return " Final set: the halves' searches disagreed; no unsearched image to confirm on: the set searched again."
+    names = ["the set searched again"] + [f"a half's set ({len(x)} layers)" for x in conf["sets"][1:]]
+    losses = ", ".join(f"{n} {_num(v, '.3e')}" for n, v in zip(names, conf["losses"]))
+    return (f" Final set: the halves' searches disagreed; confirmed on {conf['images']} unsearched images "
+            f"({conf['measure']}: {losses}): kept {names[conf['kept']]}.")
 
 
 def parity_table() -> str:
