@@ -33,11 +33,14 @@ def test_the_speed_job_refuses_a_row_it_does_not_have(tmp_path):
 def test_a_size_whose_job_is_in_progress_reads_not_timed_rather_than_missed():
     from experiments.readme_tables_speed import vit_goals
 
-    def point(row, kept, measured):
-        return {"side": 1440, "split": "main", "row": row, "kept": kept, "measured": measured}
+    def point(row, kept, measured, mAP=0.95):
+        return {"side": 1440, "split": "main", "row": row, "kept": kept, "measured": measured, "mAP": mAP}
 
     line = vit_goals([point("exact", 1.0, 1.0), point("latte", 0.62, None)])
     assert "1440 px (8,101 tokens): not timed yet" in line and "paper protocol (67%, score, sigma) 62.0% kept" in line
     assert "missed" not in line.split("1440 px")[1]
     timed = vit_goals([point("exact", 1.0, 1.0), point("latte", 0.62, 1.9), point("ours:speedup=3", 0.98, 3.6)])
     assert "goal >= 97% kept at >= 3.5x: met (fastest measured at >= 97% kept: main 3.60x)" in timed
+    weak = vit_goals([point("exact", 1.0, 1.0, mAP=0.264), point("latte", 1.31, None, mAP=0.346)])
+    assert "holds only bbox mAP main 0.264 here (bar 0.9)" in weak
+    assert "holds only" not in line
