@@ -11,10 +11,11 @@ Inputs: ``results/judge_heldout.json`` (``experiments/sweep_defaults.py --rows o
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import statistics
+
+from experiments.files import read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
@@ -28,21 +29,16 @@ VIT_ROWS = {"ours": "ours:auto", "ours@83%": "ours:auto@83%", "ours(judge=detect
             "ours(judge=detections)@83%": "ours:judge=detections@83%"}
 
 
-def _load(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def cells(results: str = RESULTS) -> list[dict]:
     """One cell per (model, split, budget, share) holding both judges' rows: ``{model, seed, budget,
     share, outputs, detections, configurations}`` (shares of the exact mAP kept)."""
     found: dict[tuple, dict] = {}
     path = os.path.join(results, "judge_heldout.json")
-    for e in (_load(path)["entries"] if os.path.isfile(path) else []):
+    for e in read_json(path, missing={"entries": []})["entries"]:
         if e["row"] != "exact":
             found[(e["model"], e["seed"], e["budget"], e["row"])] = e
     for path in sorted(glob.glob(os.path.join(results, "main_job_deimv2_vit_seed*.json"))):
-        d, seed = _load(path), int(re.search(r"seed(\d+)", path).group(1))
+        d, seed = read_json(path), int(re.search(r"seed(\d+)", path).group(1))
         budget = sum(((d.get("choices") or {}).get("ours:auto", {}).get("images") or {}).values()) or None
         for name, row in VIT_ROWS.items():
             if row in d["metrics"]:

@@ -154,7 +154,7 @@ def updated(new: dict, path: str) -> dict:
     for key in ("metrics", "choices"):
         old.setdefault(key, {}).update(new.get(key, {}))
     exact_map = old["metrics"].get("exact", {}).get("bbox_mAP")
-    if exact_map and exact_map > 0:  # a run without the exact row keeps its share against the file's
+    if exact_map:  # a run without the exact row keeps its share against the file's
         for row, m in old["metrics"].items():
             if m.get("bbox_mAP") is not None:
                 m["retained"] = m["bbox_mAP"] / exact_map

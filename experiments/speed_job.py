@@ -22,7 +22,6 @@ there (``main_job --update``); the end-to-end timing runs once every row is in t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 CONFIG = "configs/mmdet/embedded/deimv2_vit6_synthetic_latte.py"
@@ -61,11 +60,12 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     from benchmarks import speed_predict
     from experiments import main_job
+    from experiments.files import read_json
     from latte_plugin.storage import atomic_write_json
 
     suffix = f"{a.side}" + ("" if a.split == "main" else f"_{a.split}")
     job_file = os.path.join(a.results_dir, f"speed_deimv2_vit_{suffix}.json")
-    job = _load(job_file)
+    job = read_json(job_file, missing={})
     speedups = a.speedups or job.get("speedup_targets") or targets(a.side, a.threads)
     rows = ["exact", "latte", "ours:auto", *(f"ours:speedup={s}" for s in speedups)]
     unknown = [r for r in a.rows or [] if r not in rows]
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
                    str(a.side), "--work-dir", f"work_dirs/speed/{suffix}", "--results", job_file, "--timing-reps", "3",
                    *(["--num-images", str(a.num_images)] if a.num_images else []), "--rows", *(a.rows or rows),
                    *(["--update"] if update else [])])
-    job = _load(job_file)
+    job = read_json(job_file, missing={})
     atomic_write_json({**job, "speedup_targets": list(speedups)}, job_file)
     missing = [r for r in rows if r not in job.get("metrics", {})]
     if missing:
@@ -87,14 +87,6 @@ def main(argv=None) -> dict:
     return speed_predict.main(["--family", "deimv2", "--hf-config", HF_CONFIG, "--sizes", str(a.side), "--from", job_file,
                                "--label", f"ViT DEIMv2 ({a.split})", "--reps", str(a.reps), "--threads", str(a.threads),
                                "--json", os.path.join(a.results_dir, f"speed_measured_deimv2_vit_{suffix}.json")])
-
-
-def _load(path: str) -> dict:
-    """The job file, or {} before the first run."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 if __name__ == "__main__":
