@@ -68,9 +68,13 @@ def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     with open(path) as f:
         saved = json.load(f)
     assert saved["entries"] == [entry]
-    again = sweep_defaults._load(path)
+    from experiments.files import read_json
+
+    again = read_json(path, missing={"entries": []})  # how the sweep resumes
     assert sweep_defaults._done(again, model="cond_detr", seed=3, budget=8, row="ours")
     assert not sweep_defaults._done(again, model="cond_detr", seed=3, budget=16, row="ours")
+    fresh = {"entries": []}
+    assert read_json(str(tmp_path / "none.json"), missing=fresh) == fresh and read_json(str(tmp_path / "none.json"), missing=fresh) is not fresh
     assert set(sweep_defaults.DETECTOR_ROWS) == {"paper", "previous", "earlier", "ours", "ours@83%", "earlier@83%",
                                                  "confirmed", "confirmed@83%"}
     # ``ours`` stays the settings its entries were run with; ``confirmed`` is the package defaults
