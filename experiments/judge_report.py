@@ -15,7 +15,7 @@ import os
 import re
 import statistics
 
-from experiments.files import read_json
+from latte_plugin.storage import read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")

@@ -60,8 +60,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     from benchmarks import speed_predict
     from experiments import main_job
-    from experiments.files import read_json
-    from latte_plugin.storage import atomic_write_json
+    from latte_plugin.storage import atomic_write_json, read_json
 
     suffix = f"{a.side}" + ("" if a.split == "main" else f"_{a.split}")
     job_file = os.path.join(a.results_dir, f"speed_deimv2_vit_{suffix}.json")

@@ -38,8 +38,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from experiments.files import read_json
-from latte_plugin.storage import atomic_write_json
+from latte_plugin.storage import atomic_write_json, read_json
 
 MODELS = {"cond_detr": ("configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py", "checkpoints/cond_detr_r18_synthetic.pth"),
           "rtdetr": ("configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py", "checkpoints/rtdetr_r18_synthetic.pth"),

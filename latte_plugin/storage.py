@@ -2,6 +2,7 @@
 the one place their names are defined, and the checks that a checkpoint fits a model."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -9,7 +10,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["atomic_write", "atomic_write_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint",
+__all__ = ["atomic_write", "atomic_write_json", "read_json", "atomic_torch_save", "save_checkpoint", "save_calibrated_checkpoint",
            "REPORT_NAME", "CKPT_NAME", "CheckpointError", "check_readable", "check_keys", "check_checkpoint",
            "key_mismatch", "shape_mismatch", "ALLOWED_MISMATCH", "latte_layers_in", "check_latte_candidates",
            "checkpoint_state"]
@@ -147,6 +148,14 @@ def atomic_write(path: str, write) -> None:
 def atomic_write_json(obj: Any, path: str) -> None:
     """Writes ``obj`` as indented JSON to ``path`` via a temporary file and a rename."""
     atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=False).encode()))
+
+
+def read_json(path: str, missing: Any = None) -> Any:
+    """The parsed JSON at ``path``, or a copy of ``missing`` where there is no file yet (a job's first run)."""
+    if not path or not os.path.isfile(path):
+        return copy.deepcopy(missing)
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:

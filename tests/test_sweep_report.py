@@ -68,7 +68,7 @@ def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     with open(path) as f:
         saved = json.load(f)
     assert saved["entries"] == [entry]
-    from experiments.files import read_json
+    from latte_plugin.storage import read_json
 
     again = read_json(path, missing={"entries": []})  # how the sweep resumes
     assert sweep_defaults._done(again, model="cond_detr", seed=3, budget=8, row="ours")
