@@ -71,6 +71,8 @@ ROWS = [
     # the defaults before the final set was confirmed on unsearched images (docs/method.md#final-set)
     Row("ours:final_set=search", {"final_set": "search"}),
     Row("ours:final_set=search@83%", {"final_set": "search", "ratio": 0.83, "num_linear": None}),
+    Row("ours:final_set=pooled", {"final_set": "pooled"}),
+    Row("ours:final_set=pooled@83%", {"final_set": "pooled", "ratio": 0.83, "num_linear": None}),
     Row("ours:auto@83%", {"ratio": 0.83, "num_linear": None}),
     Row("ours:score@83%", {"selection": "score", "ratio": 0.83, "num_linear": None}),
     Row("ours:greedy@83%", {"selection": "greedy", "ratio": 0.83, "num_linear": None}),

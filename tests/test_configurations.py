@@ -357,6 +357,54 @@ def test_the_final_set_is_confirmed_on_images_no_search_saw(monkeypatch, final_s
     assert fresh(rep["linearized"]) < fresh(searched_again)
 
 
+def _agreeing_searches(monkeypatch, again: list):
+    """Both halves' searches take the sharp layer 0; the search run again takes ``again``."""
+    import latte_plugin.calibration.flow as flow
+
+    real, calls = flow.candidate_sets, []
+
+    def searches(methods, layers, sens, ks, distortion):
+        sets, traces = real(methods, layers, sens, ks, distortion)
+        calls.append(ks)
+        picks = ["layers.0.attn", "layers.4.attn", "layers.5.attn"] if len(calls) < 3 else again
+        sets.update({(m, k): [n for n in layers if n in picks] for m in methods if m != "score" for k in ks})
+        return sets, traces
+
+    monkeypatch.setattr(flow, "candidate_sets", searches)
+    return calls
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("final_set,again", [("confirm", None), ("pooled", ["layers.3.attn", "layers.4.attn", "layers.5.attn"]),
+                                             ("pooled", ["layers.0.attn", "layers.4.attn", "layers.5.attn"])])
+def test_pooled_searches_again_where_the_halves_agree(monkeypatch, final_set, again):
+    """The halves agree on a set with the sharp layer 0. ``confirm`` keeps it without another search;
+    ``pooled`` searches again on every search image and, where that set differs, keeps the one
+    of lower loss on the 12 unsearched images (here the set without layer 0, better on fresh
+    inputs too); where it is the same set, nothing is judged."""
+    calls = _agreeing_searches(monkeypatch, again)
+    model = ToyEncoder().eval()
+    model.layers[0].attn.in_proj_weight[: 2 * 32] *= 6.0
+    swap_mha(model, ["layers.*.attn"])
+    cfg = LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, ratio=0.5, selection="greedy",
+                      compensate="never", final_set=final_set)
+    rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b), cfg, log=lambda s: None)
+    sel, agreed = rep["selection"], ["layers.0.attn", "layers.4.attn", "layers.5.attn"]
+    if again is None:
+        assert len(calls) == 2 and rep["linearized"] == agreed and "searched_again" not in sel
+        return
+    assert len(calls) == 3 and "pooled" in sel["searched_again"]
+    confirmed = sel["confirmed"]
+    if again == agreed:
+        assert confirmed["sets"] == [agreed] and confirmed["losses"] is None and rep["linearized"] == agreed
+        return
+    assert confirmed["images"] == 12 and confirmed["sets"] == [again, agreed]
+    assert rep["linearized"] == again and confirmed["losses"][0] < confirmed["losses"][1]
+    fresh = output_distortion(find_latte_layers(model), list(enumerate(toy_batches(n=8, seed=5))),
+                              lambda b: model(b), lambda t: t)
+    assert fresh(again) < fresh(agreed)
+
+
 @torch.no_grad()
 def test_with_no_unsearched_image_the_set_searched_again_is_kept(monkeypatch):
     """8 images, 4 searched per half: nothing is left to confirm on, and the rule is the one before."""

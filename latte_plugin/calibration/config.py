@@ -90,7 +90,7 @@ REFERENCES = ("evidence", "paper")
 #: How the final linear set of a searched configuration is picked (``docs/method.md#final-set``):
 #: ``confirm`` judges the searches' sets on the images no search compared outputs on; ``search``
 #: takes the halves' common set, else the set searched again on every search image (the rule before).
-FINAL_SETS = ("confirm", "search")
+FINAL_SETS = ("confirm", "search", "pooled")
 
 
 def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, nargs: Optional[str] = None) -> Any:
@@ -181,8 +181,9 @@ class LatteConfig:
     final_set: str = _opt("confirm", "how a searched configuration's final set is picked: confirm (each half's set "
                                      "and, where they differ, the set searched again on every search image, judged "
                                      "cross-fitted on the fit and choice images no search compared outputs on: the "
-                                     "lowest loss is kept) or search (the halves' common set, else the set searched "
-                                     "again: the rule before)", FINAL_SETS)
+                                     "lowest loss is kept), search (the halves' common set, else the set searched "
+                                     "again: the rule before) or pooled (as confirm, but the search runs again on "
+                                     "every search image even where the halves agree)", FINAL_SETS)
     greedy_images: int = _opt(8, "calibration images the greedy and backward searches compare outputs on (at most "
                                  "the first half of the images when configurations are compared: the rest judge)")
     mode: str = _opt("linear", "mode of the selected layers at inference: linear, or dynamic (softmax below "

@@ -328,7 +328,8 @@ def _select_configuration(run: CalibrationRun, fitted: _Fitted, ks: Sequence[int
 def _final_set(run: CalibrationRun, chosen: Configuration, fitted: _Fitted, how: dict) -> tuple:
     """The chosen configuration's linear set: with one half, its search's set; a ``score`` set
     from the score summed over both halves; a search's set where both halves' searches agree,
-    else the search run again on every search image; with ``final_set='confirm'`` that set and
+    else the search run again on every search image (always, with ``final_set='pooled'``: a half's
+    search saw half as many images); with ``final_set='confirm'`` or ``'pooled'`` that set and
     each half's are judged on the images no search saw (:func:`~.judge.confirmed_set`). Returns
     ``(configuration, trace)``."""
     m, k, halves = chosen.method, chosen.k, fitted.halves
@@ -340,13 +341,15 @@ def _final_set(run: CalibrationRun, chosen: Configuration, fitted: _Fitted, how:
         layers, trace = select_by_score(scores(summed_stats(h.stats for h in halves), run.cfg.lam), k), []
         return replace(chosen, layers=[n for n in run.layers if n in layers]), trace
     found = [(h.sets[(m, k)], h.traces.get(m, [])) for h in halves]
-    if set(found[0][0]) == set(found[1][0]):
+    agree = set(found[0][0]) == set(found[1][0])
+    if agree and run.cfg.final_set != "pooled":
         layers, trace = found[0]
     else:
         sets, traces = _search(run, [h.searcher for h in halves], {}, [k], fitted.corrections, (m,))
         layers, trace = sets[(m, k)], traces.get(m, [])
-        how["searched_again"] = "the halves' searches disagreed: searched again on every image"
-        if run.cfg.final_set == "confirm":
+        how["searched_again"] = ("final_set='pooled': searched again on every search image" if agree else
+                                 "the halves' searches disagreed: searched again on every search image")
+        if run.cfg.final_set in ("confirm", "pooled"):
             layers, trace, how["confirmed"] = confirmed_set(run, fitted.corrections[chosen.rule], [(layers, trace), *found])
     return replace(chosen, layers=[n for n in run.layers if n in layers]), trace
 

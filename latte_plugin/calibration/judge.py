@@ -250,7 +250,7 @@ def confirmed_set(run: CalibrationRun, corrections: Mapping, candidates: list) -
     batches = unsearched(run.split)
     images = int(run.reduce(torch.tensor([float(len(batches))], dtype=torch.float64))[0])
     info: dict = {"sets": [list(c[0]) for c in distinct], "images": images, "measure": run.judge.name}
-    if images == 0:
+    if images == 0 or len(distinct) == 1:  # nothing to judge on, or nothing to choose between
         return (*distinct[0], {**info, "kept": 0, "losses": None})
     judge = CrossFitJudge(run.layers, batches, run.fold_of, run.reduce)(run.judge, corrections)
     losses = [judge(list(c[0])).loss for c in distinct]
