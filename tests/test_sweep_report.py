@@ -48,16 +48,19 @@ def test_the_confirmed_row_is_judged_on_the_splits_it_ran_on_and_its_misses_name
                             for s, k in ((1, 0.96), (2, 0.94))]
     entries += [{"model": "cond_detr", "seed": 3, "budget": None, "row": "exact", "bbox_mAP": 0.62, "kept": 1.0}]
     entries += [{"model": "cond_detr", "seed": 3, "budget": 8, "row": r, "kept": k}
-                for r, k in (("paper", 0.5), ("previous", 0.95), ("confirmed", 0.80))]
+                for r, k in (("paper", 0.5), ("previous", 0.95), ("confirmed", 0.80), ("pooled", 0.96))]
     det = {(c["model"], c["budget"]): c for c in sweep_report.cells(entries)}[("cond_detr", 8)]
     assert det["seeds"] == [1, 2, 3] and det["margin"] == pytest.approx({1: 0.02, 2: -0.05})
     assert det["margins"]["confirmed"] == pytest.approx({1: 0.01, 2: -0.01, 3: -0.15})
-    assert det["within_by_row"] == {"ours": 1, "confirmed": 2}
+    assert det["margins"]["pooled"] == pytest.approx({3: 0.01})
+    assert det["within_by_row"] == {"ours": 1, "confirmed": 2, "pooled": 1}
     table = sweep_report.table(entries)
-    assert "| 93.5 (90.0) [2 of 3 splits] | 90.0 (80.0) | -5.0 | 1/2 (noise 3.2) | -15.0 | 2/3 (noise 3.2) |" in table
+    assert ("| 93.5 (90.0) [2 of 3 splits] | 90.0 (80.0) | 96.0 (96.0) [1 of 3 splits] | -5.0 | 1/2 (noise 3.2) | "
+            "-15.0 | 2/3 (noise 3.2) | +1.0 | 1/1 (noise 3.2) |") in table
     assert "Conditional DETR, 8, seed 3: ours, final set confirmed 80.00 vs previous defaults 95.00" in table
     assert "confirmed keeps 80.0% (goal 90.0%)" in table
-    assert "ours on 3 of 4; ours, final set confirmed on 2 of 3 split x budget cells" in sweep_report.summary(entries)
+    assert ("ours on 3 of 4; ours, final set confirmed on 2 of 3; ours, final set pooled (opt-in) on 1 of 1 split x "
+            "budget cells") in sweep_report.summary(entries)
 
 
 def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
