@@ -3,6 +3,7 @@ key and shape, within the 25 MB limit, and its backbone's global attention is wh
 finds: 6 ViT blocks at 1,024 patch tokens (+ CLS) at the main job's 512 px, plus AIFI and 3 decoder layers."""
 import os
 
+import pytest
 import torch
 
 from tests.conftest import ROOT, require
@@ -90,10 +91,15 @@ def test_the_main_job_runs_the_same_config_at_another_size():
     assert len(resizes) == 3 and all(tuple(step["scale"]) == (736, 736) for step in resizes)
 
 
-def test_its_multiscale_fine_tune_resizes_each_batch_within_512_to_1024_px():
-    """deimv2_vit6_multiscale.py: starts from the committed 512 px checkpoint, trains by iteration,
-    and mmdet's BatchSyncRandomResize gives every batch one side in [512, 1024], a multiple of
-    32, with its boxes scaled alike."""
+@pytest.mark.parametrize("config,start,root,lo,hi", [
+    ("deimv2_vit6_multiscale.py", CHECKPOINT, "data/synthetic_1024_2key/", 512, 1024),
+    ("deimv2_vit6_multiscale_1440.py", os.path.join(ROOT, "checkpoints", "deimv2_vit6_multiscale.pth"),
+     "data/synthetic_1440_2key/", 1024, 1440)])
+def test_its_multiscale_fine_tune_resizes_each_batch_within_its_range(config, start, root, lo, hi):
+    """deimv2_vit6_multiscale.py (from the committed 512 px checkpoint, sides 512-1,024) and its
+    fourth stage deimv2_vit6_multiscale_1440.py (from the 512-1,024 px weights, sides 1,024-1,440)
+    train by iteration, and mmdet's BatchSyncRandomResize gives every batch one side in their
+    range, a multiple of 32, with its boxes scaled alike."""
     from mmdet.registry import MODELS
     from mmdet.structures import DetDataSample
     from mmdet.utils import register_all_modules
@@ -102,19 +108,19 @@ def test_its_multiscale_fine_tune_resizes_each_batch_within_512_to_1024_px():
     from mmengine.structures import InstanceData
 
     register_all_modules()
-    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", "deimv2_vit6_multiscale.py"))
-    assert os.path.samefile(cfg.load_from, CHECKPOINT) and cfg.train_cfg.type == "IterBasedTrainLoop"
-    assert cfg.train_dataloader.dataset.data_root == "data/synthetic_1024_2key/"
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "mmdet", "embedded", config))
+    assert os.path.samefile(cfg.load_from, start) and cfg.train_cfg.type == "IterBasedTrainLoop"
+    assert cfg.train_dataloader.dataset.data_root == root
     (augment,) = [MODELS.build(a) for a in cfg.model.data_preprocessor.batch_augments]
     MessageHub.get_current_instance().update_info("iter", 0)
     torch.manual_seed(0)  # the sides are random: fix them so the test cannot flake
     sides = set()
     for _ in range(4):
-        sample = DetDataSample(metainfo=dict(img_shape=(1024, 1024), pad_shape=(1024, 1024)))
-        sample.gt_instances = InstanceData(bboxes=torch.tensor([[0.0, 0.0, 1024.0, 512.0]]))
-        out, (sample,) = augment(torch.zeros(1, 3, 1024, 1024), [sample])
+        sample = DetDataSample(metainfo=dict(img_shape=(hi, hi), pad_shape=(hi, hi)))
+        sample.gt_instances = InstanceData(bboxes=torch.tensor([[0.0, 0.0, float(hi), hi / 2]]))
+        out, (sample,) = augment(torch.zeros(1, 3, hi, hi), [sample])
         side = out.shape[-1]
         sides.add(side)
-        assert out.shape[-2] == side and 512 <= side <= 1024 and side % 32 == 0
+        assert out.shape[-2] == side and lo <= side <= hi and side % 32 == 0
         assert torch.allclose(sample.gt_instances.bboxes, torch.tensor([[0.0, 0.0, side, side / 2]]))
     assert len(sides) > 1
