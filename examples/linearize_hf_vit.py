@@ -16,6 +16,7 @@ import torch
 
 import latte_plugin
 from latte_plugin.nn.install import find_latte_layers, set_modes
+from latte_plugin.console import first_paragraph
 
 
 def images(n: int, seed: int, size: int = 224) -> torch.Tensor:
@@ -30,7 +31,7 @@ def main(argv=None) -> dict:
 
     from transformers import ViTConfig, ViTModel
 
-    out = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    out = argparse.ArgumentParser(description=first_paragraph(__doc__))
     out.add_argument("--out", help="also write the printed lines to this file (the README shows it)")
     out.add_argument("--image-size", type=int, default=224, help="input side in pixels (patches of 16)")
     out.add_argument("--width", type=int, default=384, help="hidden size (6 heads)")

@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import os
+from latte_plugin.console import first_paragraph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +39,7 @@ def measure(config: str, checkpoint: str, num_images: int, work_dir: str) -> tup
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("config")
     p.add_argument("checkpoint")
     p.add_argument("--num-images", type=int, default=16, help="train images measured (default: 16)")

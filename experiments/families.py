@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from latte_plugin.console import first_paragraph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +37,7 @@ def family_row(name: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--results", default=os.path.join(ROOT, "results", "families.json"), help="JSON to write")
     p.add_argument("--families", nargs="*", help="only these (default: every family)")
     a = p.parse_args(argv)

@@ -21,6 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from latte_plugin.storage import CKPT_NAME, REPORT_NAME
+from latte_plugin.console import first_paragraph
 
 DEFAULT_CONFIG = "configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py"
 DEFAULT_CHECKPOINT = "checkpoints/cond_detr_r18_synthetic.pth"
@@ -46,7 +47,7 @@ def format_table(rows: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The job's flags (the sweep builds its runs' arguments with it too)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="'none' keeps the init weights (tests)")
     p.add_argument("--work-dir", default="work_dirs/main_job")

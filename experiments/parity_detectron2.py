@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from latte_plugin.console import first_paragraph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +72,7 @@ def d2_ap(script: str, cfg: str, ckpt: str, work: str, latte: bool) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--detectron2-src", default=os.environ.get("LATTE_DETECTRON2_SRC"))
     p.add_argument("--out", default="results/parity_detectron2.json")

@@ -17,6 +17,7 @@ import argparse
 import fnmatch
 import itertools
 import os
+from latte_plugin.console import first_paragraph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VIT_BLOCKS = "hf.model.conv_encoder.backbone.model.layer.*.attention"
@@ -100,7 +101,7 @@ def main(argv=None) -> dict:
     from latte_plugin.calibration.config import PIECEWISE_GAMMAS, PIECEWISE_TOPS
     from latte_plugin.ops import ORDERS, PIECEWISE_BLOCK
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("config")
     p.add_argument("checkpoint")
     p.add_argument("--candidates", default=VIT_BLOCKS, help=f"fnmatch pattern of the layers (default: {VIT_BLOCKS})")

@@ -23,6 +23,7 @@ from typing import Callable
 
 from experiments.readme_tables_piecewise import TABLES as PIECEWISE_TABLES
 from experiments.readme_tables_speed import TABLES as SPEED_TABLES
+from latte_plugin.console import first_paragraph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
@@ -472,7 +473,7 @@ def render(text: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--check", action="store_true", help="only check that every page is up to date")
     a = p.parse_args(argv)
     stale = 0

@@ -17,12 +17,13 @@ import shlex
 import subprocess
 import sys
 import time
+from latte_plugin.console import first_paragraph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--machine", required=True, help="what the run had: e.g. 'fresh cache, 2 cores'")
     p.add_argument("--note", default="", help="anything a reader needs to weigh the figure")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "timings.json"))

@@ -13,10 +13,16 @@ import os
 import sys
 from typing import IO, Iterable, Iterator, Optional
 
-__all__ = ["quiet", "progress", "say", "set_label", "is_main_rank"]
+__all__ = ["quiet", "progress", "say", "set_label", "is_main_rank", "first_paragraph"]
 
 _terminal: Optional[IO[str]] = None  # the real terminal while quiet() is active
 _label: str = ""
+
+
+def first_paragraph(doc: str) -> str:
+    """A module docstring's first paragraph on one line: a command's ``--help`` description (its
+    first line alone can stop mid-sentence)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 def is_main_rank() -> bool:

@@ -55,3 +55,11 @@ def test_the_demo_answers_help_without_setting_anything_up():
     assert out.returncode == 0 and "--full" in out.stdout, out.stderr
     bad = subprocess.run(["bash", "tools/demo.sh", "--fast"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown option --fast" in bad.stdout
+
+
+def test_a_help_description_is_the_docstrings_whole_first_paragraph():
+    """``--help`` shows the module docstring's first paragraph, not a first line cut mid-sentence."""
+    from latte_plugin.console import first_paragraph
+
+    doc = "Rewrites a checkpoint (a zoo file) as\n``{'meta', 'state_dict'}``.\n\n    python tools/slim.py a b\n"
+    assert first_paragraph(doc) == "Rewrites a checkpoint (a zoo file) as ``{'meta', 'state_dict'}``."

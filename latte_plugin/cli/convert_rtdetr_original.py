@@ -21,6 +21,7 @@ import re
 from typing import Callable, Optional
 
 import torch
+from latte_plugin.console import first_paragraph
 
 
 #: Architectures as transformers' conversion script configures them (from RTDetrConfig's defaults = r50vd).
@@ -185,7 +186,7 @@ def convert(src: str, out_dir: str, arch: str = "r50vd") -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("checkpoint", help="the original repository's .pth (its 'ema' weights are used when present)")
     p.add_argument("out_dir", help="HF directory to write (config.json + model.safetensors)")
     p.add_argument("--arch", choices=list(ARCHS), default="r50vd")

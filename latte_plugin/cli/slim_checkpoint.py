@@ -9,11 +9,11 @@ cannot read mmdet's layout) and with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import argparse
-
+from latte_plugin.console import first_paragraph
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--fp16", action="store_true", help="store floating-point weights in float16 (half the size)")

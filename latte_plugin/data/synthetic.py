@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
+from latte_plugin.console import first_paragraph
 
 #: Object class = shape x context. The context is the colour of one small key marker
 #: placed elsewhere in the image, so naming an object needs information from far away:
@@ -217,7 +218,7 @@ def make_coco_layout(out_dir: str, num_train: int = 8, num_val: int = 4, size: i
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("out_dir")
     p.add_argument("--train", type=int, default=64)
     p.add_argument("--val", type=int, default=32)
