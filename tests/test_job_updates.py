@@ -30,6 +30,20 @@ def test_the_speed_job_refuses_a_row_it_does_not_have(tmp_path):
                         "--results-dir", str(tmp_path)])
 
 
+def test_the_speed_job_takes_the_weights_trained_at_its_size():
+    """512 px: the 512 px weights; up to 1,024 px: the 512-1,024 px fine-tune; above: its 1,440 px
+    stage. Each is a committed file."""
+    import os
+
+    from experiments import speed_job
+    from tests.conftest import ROOT
+
+    picks = {side: speed_job.default_checkpoint(side) for side in (512, 736, 1024, 1440)}
+    assert picks == {512: speed_job.CHECKPOINT, 736: speed_job.MULTISCALE_CHECKPOINT,
+                     1024: speed_job.MULTISCALE_CHECKPOINT, 1440: speed_job.CHECKPOINT_1440}
+    assert all(os.path.isfile(os.path.join(ROOT, p)) for p in picks.values())
+
+
 def test_a_size_whose_job_is_in_progress_reads_not_timed_rather_than_missed():
     from experiments.readme_tables_speed import vit_goals
 
