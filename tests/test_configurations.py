@@ -328,6 +328,17 @@ def _disagreeing_searches(monkeypatch):
     return calls
 
 
+def _calibrated_with_a_sharp_layer(final_set: str):
+    """A toy encoder whose layer 0 is sharp (its linear form is poor), calibrated on 16 images with
+    4 searched per half, half its layers linear by greedy search: ``(model, report)``."""
+    model = ToyEncoder().eval()
+    model.layers[0].attn.in_proj_weight[: 2 * 32] *= 6.0
+    swap_mha(model, ["layers.*.attn"])
+    cfg = LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, ratio=0.5, selection="greedy",
+                      compensate="never", final_set=final_set)
+    return model, calibrate_model(model, toy_batches(n=16), lambda b: model(b), cfg, log=lambda s: None)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("final_set", ["confirm", "search"])
 def test_the_final_set_is_confirmed_on_images_no_search_saw(monkeypatch, final_set):
@@ -336,12 +347,7 @@ def test_the_final_set_is_confirmed_on_images_no_search_saw(monkeypatch, final_s
     second half's set (without layer 0) is kept under ``final_set='confirm'``, and it is better
     on inputs no step saw; ``final_set='search'`` keeps the set searched again (the rule before)."""
     calls = _disagreeing_searches(monkeypatch)
-    model = ToyEncoder().eval()
-    model.layers[0].attn.in_proj_weight[: 2 * 32] *= 6.0
-    swap_mha(model, ["layers.*.attn"])
-    cfg = LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, ratio=0.5, selection="greedy",
-                      compensate="never", final_set=final_set)
-    rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b), cfg, log=lambda s: None)
+    model, rep = _calibrated_with_a_sharp_layer(final_set)
     sel = rep["selection"]
     assert len(calls) == 3 and sel["searched_again"]
     searched_again = ["layers.0.attn", "layers.4.attn", "layers.5.attn"]
@@ -383,12 +389,7 @@ def test_pooled_searches_again_where_the_halves_agree(monkeypatch, final_set, ag
     of lower loss on the 12 unsearched images (here the set without layer 0, better on fresh
     inputs too); where it is the same set, nothing is judged."""
     calls = _agreeing_searches(monkeypatch, again)
-    model = ToyEncoder().eval()
-    model.layers[0].attn.in_proj_weight[: 2 * 32] *= 6.0
-    swap_mha(model, ["layers.*.attn"])
-    cfg = LatteConfig(candidates=["layers.*.attn"], steps=3, greedy_images=4, ratio=0.5, selection="greedy",
-                      compensate="never", final_set=final_set)
-    rep = calibrate_model(model, toy_batches(n=16), lambda b: model(b), cfg, log=lambda s: None)
+    model, rep = _calibrated_with_a_sharp_layer(final_set)
     sel, agreed = rep["selection"], ["layers.0.attn", "layers.4.attn", "layers.5.attn"]
     if again is None:
         assert len(calls) == 2 and rep["linearized"] == agreed and "searched_again" not in sel
