@@ -89,7 +89,8 @@ EVIDENCE_REFERENCE = ("greedy", "refit")
 REFERENCES = ("evidence", "paper")
 #: How the final linear set of a searched configuration is picked (``docs/method.md#final-set``):
 #: ``confirm`` judges the searches' sets on the images no search compared outputs on; ``search``
-#: takes the halves' common set, else the set searched again on every search image (the rule before).
+#: takes the halves' common set, else the set searched again on every search image (the rule before);
+#: ``pooled`` searches again even where the halves agree, then confirms as ``confirm`` does.
 FINAL_SETS = ("confirm", "search", "pooled")
 
 
