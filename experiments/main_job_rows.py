@@ -86,6 +86,9 @@ ROWS = [
     Row("ours:kernel=piecewise", {"kernel": "piecewise"}),
     Row("ours:kernel=auto", {"kernel": "auto"}),
     Row("ours:kernel=auto@83%", {"kernel": "auto", "ratio": 0.83, "num_linear": None}),
+    # one (alpha, rho) per head instead of one per layer (more freedom for the kernel; not a default)
+    Row("ours:per_head", {"per_head": True}),
+    Row("ours:per_head@83%", {"per_head": True, "ratio": 0.83, "num_linear": None}),
 ]
 #: The row whose calibrated checkpoint the main job saves and reports at the top level: the
 #: package defaults (LatteConfig).

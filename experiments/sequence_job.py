@@ -53,14 +53,17 @@ BUDGETS = {"plenty": (128, 4), "scarce": (8, 1)}
 
 @torch.no_grad()
 def evaluate(model, tokens: torch.Tensor, labels: torch.Tensor, exact_pooled: torch.Tensor) -> dict:
+    """Accuracy and mean cosine to the exact model's pooled output on the test sequences, and
+    ``cosines``, the per-sequence cosines ``(S,)`` (for paired standard errors; not JSON)."""
     logits, pooled = [], []
     for i in range(0, len(tokens), 500):
         lg, pl = model(tokens[i:i + 500])
         logits.append(lg)
         pooled.append(pl)
     logits, pooled = torch.cat(logits), torch.cat(pooled)
-    cos = torch.nn.functional.cosine_similarity(pooled, exact_pooled, dim=-1).mean()
-    return {"accuracy": float((logits.argmax(-1) == labels).float().mean()), "cosine": float(cos)}
+    cos = torch.nn.functional.cosine_similarity(pooled, exact_pooled, dim=-1)
+    return {"accuracy": float((logits.argmax(-1) == labels).float().mean()), "cosine": float(cos.mean()),
+            "cosines": cos}
 
 
 def run_row(name: str, changes, exact_model, calib: list, test: tuple, exact_pooled) -> dict:
@@ -102,7 +105,9 @@ def main(argv=None) -> dict:
         for name, changes in ROWS:
             if changes is None and budget != "plenty":
                 continue  # exact and uniform do not calibrate
-            rows.append(dict(run_row(name, changes, exact, calib, test, exact_pooled), budget=budget))
+            row = run_row(name, changes, exact, calib, test, exact_pooled)
+            row.pop("cosines")
+            rows.append(dict(row, budget=budget))
             r = rows[-1]
             print(f"{budget:7s} {name:22s} acc {r['accuracy']:.3f}  cos {r['cosine']:.4f}  "
                   f"{r.get('linearized', '')} {r.get('selection') or ''} {r['seconds']:.0f}s", flush=True)

@@ -83,7 +83,7 @@ def test_the_sweep_records_one_entry_per_row_and_resumes(tmp_path):
     rows = {row.name: row.changes for row in main_job_rows.ROWS}
     assert rows[sweep_defaults.DETECTOR_ROWS["ours"]] == {"final_set": "search"}
     assert rows[sweep_defaults.DETECTOR_ROWS["confirmed"]] == {}
-    assert all(sweep_defaults.ALL_ROWS[r] in {row.name for row in main_job_rows.ROWS} for r in sweep_defaults.DETECTOR_ROWS)
+    assert all(name in {row.name for row in main_job_rows.ROWS} for name in sweep_defaults.ALL_ROWS.values())
 
 
 def test_the_sweep_gives_the_main_job_every_argument_its_build_reads(monkeypatch, tmp_path):
@@ -132,3 +132,52 @@ def test_the_judge_rule_needs_no_loss_beyond_the_noise_and_a_mean_gain(tmp_path,
     rows = judge_report.cells(_judge_results(tmp_path, detections_kept))
     assert [(r["outputs"], r["detections"], r["share"]) for r in rows] == [(0.95, detections_kept, "67%")]
     assert ("Rule met" in judge_report.verdict(rows)) is met
+
+
+def test_the_paired_allowance_is_two_standard_errors_of_the_per_item_difference():
+    """Against a plain reference: the sample standard deviation of the differences over sqrt(n), twice."""
+    import random
+
+    rng = random.Random(3)
+    a = [rng.uniform(0.8, 1.0) for _ in range(50)]
+    b = [x - 0.01 + rng.gauss(0, 0.02) for x in a]
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+    assert sweep_report.paired_allowance(a, b) == pytest.approx(2 * se, rel=1e-9)
+
+
+def _sequence_split(seed: int, ours, previous) -> list[dict]:
+    paper = [0.5] * len(ours)
+    return [{"model": "sequence", "seed": seed, "budget": 8, "row": row, "cosine": sum(c) / len(c), "cosines": c}
+            for row, c in (("paper", paper), ("previous", previous), ("ours", ours))]
+
+
+def test_the_sequence_model_is_judged_within_paired_standard_errors_of_its_test_sequences():
+    """Ours 0.001 below the previous defaults: within the noise where the per-sequence differences
+    scatter (seed 1), a miss where every sequence loses the same (seed 2); no allowance without
+    per-sequence cosines (seed 3), as before the sidecar."""
+    noisy = [0.9 + (0.05 if i % 2 else -0.05) for i in range(100)]
+    entries = _sequence_split(1, [c - 0.001 for c in noisy], [0.9] * 100)
+    entries += _sequence_split(2, [0.899] * 100, [0.9] * 100)
+    entries += [{k: v for k, v in e.items() if k != "cosines"} for e in _sequence_split(3, [0.899] * 4, [0.9] * 4)]
+    cell = {(c["model"], c["budget"]): c for c in sweep_report.cells(entries)}[("sequence", 8)]
+    assert cell["margin"] == pytest.approx({1: -0.001, 2: -0.001, 3: -0.001})
+    assert cell["allowances"]["ours"][1] == pytest.approx(2 * 0.05 * (100 / 99) ** 0.5 / 10)
+    assert cell["allowances"]["ours"][2] == 0.0 and cell["allowances"]["ours"][3] == 0.0
+    assert cell["within"] == 1
+    missed = sweep_report.misses(entries)
+    assert [line.split(":")[0] for line in missed] == ["sequence model, 8, seed 2", "sequence model, 8, seed 3"]
+    assert "1/3 (noise 2 paired SE, at most 1.01)" in sweep_report.table(entries)
+
+
+def test_the_sequence_sweep_keeps_each_entrys_cosines_beside_its_results_file(tmp_path):
+    import torch
+
+    path = str(tmp_path / "sweep_rule_sequence.json")
+    entry = {"model": "sequence", "seed": 5, "budget": 8, "row": "ours", "cosine": 0.5}
+    sweep_defaults.save_cosines(path, sweep_defaults.cosine_key(5, 8, "ours"), torch.tensor([0.25, 0.75]))
+    sweep_defaults._record({"entries": []}, path, entry)
+    (loaded,) = sweep_report.load_entries(str(tmp_path), "sweep_rule")
+    assert loaded["cosine"] == 0.5 and list(loaded["cosines"]) == [0.25, 0.75]
+    assert sweep_defaults.cosines_path(path).endswith("sweep_rule_sequence_cosines.safetensors")
