@@ -58,3 +58,18 @@ def test_a_size_whose_job_is_in_progress_reads_not_timed_rather_than_missed():
     weak = vit_goals([point("exact", 1.0, 1.0, mAP=0.264), point("latte", 1.31, None, mAP=0.346)])
     assert "holds only bbox mAP main 0.264 here (bar 0.9)" in weak
     assert "holds only" not in line
+
+
+def test_the_calibrations_own_prediction_is_judged_against_the_same_measurements():
+    """The README names the largest error of the report's ``predicted_speedup`` beside the benchmark's;
+    rows without a calibration prediction (exact) or not timed yet are left out."""
+    from experiments.readme_tables_speed import calibration_error
+
+    def point(row, predicted, measured):
+        return {"side": 1440, "split": "main", "row": row, "predicted_calibration": predicted, "measured": measured}
+
+    points = [point("exact", None, 1.0), point("ours:speedup=1.78", 1.84, 2.0), point("ours:speedup=2.56", 2.7, 3.0),
+              point("ours:speedup=3", 2.9, None)]
+    err, where, count = calibration_error(points)
+    assert err == pytest.approx(0.1) and where == "1440 px main ours:speedup=2.56" and count == 2
+    assert calibration_error([point("exact", None, 1.0)]) is None
