@@ -325,6 +325,8 @@ def reaction_encoder_table() -> str:
     paired standard error of that difference over the test reactions."""
     import statistics
 
+    from experiments import sweep_report
+
     files = [_load(os.path.basename(f)) for f in sorted(glob.glob(os.path.join(RESULTS, "reaction_encoder*.json")))]
     res = files[0]
     by = {(e["seed"], e["budget"], e["row"]): e for r in files for e in r["entries"]}
@@ -335,7 +337,7 @@ def reaction_encoder_table() -> str:
             continue
         best = max(("paper", "previous"), key=lambda r: got[r]["cosine"])
         diff = [o - b for o, b in zip(got["ours"]["cosines"], got[best]["cosines"])]
-        se = statistics.stdev(diff) / math.sqrt(len(diff))
+        se = sweep_report.paired_allowance(got["ours"]["cosines"], got[best]["cosines"], z=1.0)
         gap = statistics.mean(diff)
         ok = gap >= -2 * se
         if not ok:
