@@ -196,6 +196,46 @@ def test_cost_model_against_a_naive_timing():
     assert exact_ms == pytest.approx(plain, rel=0.5)
 
 
+def test_anchor_scale_against_plain_arithmetic():
+    """The factor solves exact - scale * saving = hybrid; too small a saving, or a bad time, keeps 1;
+    the factor is clamped to ANCHOR_LIMIT either way."""
+    from latte_plugin.calibration.cost import ANCHOR_LIMIT, anchor_scale
+
+    assert anchor_scale(100.0, 50.0, 40.0) == pytest.approx(50.0 / 40.0)
+    assert anchor_scale(100.0, 70.0, 40.0) == pytest.approx(30.0 / 40.0)
+    assert anchor_scale(100.0, 99.0, 5.0) == 1.0  # below ANCHOR_MIN_SHARE: noise
+    assert anchor_scale(100.0, 0.0, 40.0) == 1.0
+    assert anchor_scale(100.0, 10.0, 40.0) == ANCHOR_LIMIT
+    assert anchor_scale(100.0, 99.0, 40.0) == pytest.approx(1.0 / ANCHOR_LIMIT)
+
+
+def test_the_cost_model_is_anchored_to_an_end_to_end_timing(monkeypatch):
+    """A layer whose isolated timing (10 ms saved) understates what switching it saves in the
+    model (12 ms of sleep): the savings are scaled by ~1.2, so the fastest assignment's prediction
+    equals its end-to-end measurement, and the layer's state comes back unchanged."""
+    from latte_plugin.calibration import cost as cost_mod
+    from latte_plugin.calibration.cost import CallShape
+
+    layer = LatteParams(16, 2).eval()
+    layer.mode = "linear"
+    monkeypatch.setattr(cost_mod, "call_shapes", lambda layers, batch, fwd: {"a": [CallShape(1, 2, 8, 8, 8, 8)]})
+    monkeypatch.setattr(cost_mod, "time_layer", lambda *a, **k: {"exact": 10.0, "latte": 0.0})
+    monkeypatch.setattr(cost_mod, "ANCHOR_MIN_MS", 0.0)
+    seen = []
+
+    def forward(_batch):
+        seen.append(layer.mode)
+        time.sleep(0.042 if layer.mode == "exact" else 0.030)
+
+    cost = measure_costs({"a": layer}, None, forward, {"block": 64, "order": "tokens", "rest": "latte"})
+    assert {"exact", "linear"} <= set(seen)
+    assert cost.scale == pytest.approx(1.2, abs=0.15)
+    assert cost.predicted_speedup({"a": "latte"}) == pytest.approx(cost.anchor["speedup"], rel=1e-9)
+    assert cost.anchor["unscaled_speedup"] == pytest.approx(cost.exact_ms / (cost.exact_ms - 10.0))
+    assert cost.entry()["scale"] == cost.scale and layer.mode == "exact"  # measure_costs leaves layers exact
+    assert cost.saving("a", "latte") == pytest.approx(10.0 * cost.scale)
+
+
 def test_a_cost_model_file_is_read_by_pattern_and_bad_ones_are_refused_in_one_line(tmp_path):
     import json
 
@@ -209,6 +249,8 @@ def test_a_cost_model_file_is_read_by_pattern_and_bad_ones_are_refused_in_one_li
     assert cost.predicted_speedup({"layers.0.attn": "latte", "layers.1.attn": "piecewise@2"}) == pytest.approx(30 / 19)
     with pytest.raises(ValueError, match=r"cost.json: no entry names or matches layer 'encoder.x'"):
         load_cost_model(str(path), ["encoder.x"])
+    path.write_text(json.dumps({"exact_ms": 30.0, "scale": 1.5, "layers_ms": {"*": {"exact": 9.0, "latte": 1.0}}}))
+    assert load_cost_model(str(path), ["a"]).predicted_speedup({"a": "latte"}) == pytest.approx(30 / 18)
     path.write_text(json.dumps({"exact_ms": 30.0, "layers_ms": {"*": {"exact": 1.0, "fast": 0.5}}}))
     with pytest.raises(ValueError, match=r"unknown mode\(s\) \['fast'\]"):
         load_cost_model(str(path), ["a"])

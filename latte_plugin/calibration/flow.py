@@ -142,13 +142,18 @@ def _shared_costs(run: CalibrationRun) -> CostModel:
     cost = measure_costs(run.layers, run.split.used[0][1], whole_network(run.forward), knobs)
     keys = [(n, m) for n, c in cost.layers.items() for m in c]
     world = float(run.shard[1])
-    flat = run.reduce(torch.tensor([cost.exact_ms] + [cost.layers[n][m] for n, m in keys], dtype=torch.float64)) / world
+    flat = run.reduce(torch.tensor([cost.exact_ms, cost.scale] + [cost.layers[n][m] for n, m in keys],
+                                   dtype=torch.float64)) / world
     layers: dict = {n: {} for n in cost.layers}
-    for (n, m), v in zip(keys, flat[1:].tolist()):
+    for (n, m), v in zip(keys, flat[2:].tolist()):
         layers[n][m] = v
     run.log(f"[latte] cost model: exact forward {float(flat[0]):.1f} ms, attention "
             + ", ".join(f"{n} {c['exact']:.2f} ms" for n, c in layers.items()))
-    return replace(cost, exact_ms=float(flat[0]), layers=layers)
+    if cost.anchor:
+        run.log(f"[latte] cost model anchored end to end: the fastest assignment measured "
+                f"{cost.anchor['speedup']:.2f}x against {cost.anchor['unscaled_speedup']:.2f}x from the layers "
+                f"timed alone; savings scaled by {float(flat[1]):.3f}")
+    return replace(cost, exact_ms=float(flat[0]), scale=float(flat[1]), layers=layers)
 
 
 def _calibrate_layers(run: CalibrationRun, cost: Optional[CostModel]) -> tuple[dict, CorrectionTable, Optional[dict], dict]:
