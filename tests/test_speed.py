@@ -196,6 +196,23 @@ def test_cost_model_against_a_naive_timing():
     assert exact_ms == pytest.approx(plain, rel=0.5)
 
 
+def test_time_ms_waits_for_queued_gpu_work(monkeypatch):
+    """On CUDA a call returns before its kernels finish: every timed run is bracketed by a
+    synchronize where CUDA is in use, and none happens where it is not."""
+    from latte_plugin.calibration.cost import time_ms
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    time_ms(lambda: calls.append("run"), reps=3, warmup=1)
+    assert calls == ["run"] + ["sync", "run", "sync"] * 3
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    time_ms(lambda: calls.append("run"), reps=2, warmup=0)
+    assert calls == ["run", "run"]
+
+
 def test_anchor_scale_against_plain_arithmetic():
     """The factor solves exact - scale * saving = hybrid; too small a saving, or a bad time, keeps 1;
     the factor is clamped to ANCHOR_LIMIT either way."""

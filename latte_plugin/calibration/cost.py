@@ -109,10 +109,18 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1, min_ms: float = 0
         fn()
     times: list[float] = []
     while len(times) < max(1, reps) or (sum(times) < min_ms and len(times) < max_reps):
+        _synchronize()
         t0 = time.perf_counter()
         fn()
+        _synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _synchronize() -> None:
+    """Waits for queued GPU work (CUDA calls return before their kernels finish); nothing on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def set_mode(layer: LatteParams, mode: str, knobs: Mapping[str, Any]) -> None:
