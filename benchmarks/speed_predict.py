@@ -168,7 +168,8 @@ def main(argv=None) -> dict:
             pred = cost.predicted_speedup(assignment)
             rows.append({"model": a.label or a.family, "side": side, "row": name, "assignment": assignment,
                          "predicted_speedup": pred, **got, "error": pred / got["measured_speedup"] - 1.0,
-                         "exact_ms_cost_model": cost.exact_ms, "ceiling_speedup": cost.entry()["ceiling_speedup"]})
+                         "exact_ms_cost_model": cost.exact_ms, "ceiling_speedup": cost.entry()["ceiling_speedup"],
+                         "cost_scale": cost.scale})
             r = rows[-1]
             print(f"{r['model']} {side}px {name:22s} {len(assignment):2d} layers  predicted {pred:.2f}x  measured "
                   f"{got['measured_speedup']:.2f}x  ({100 * r['error']:+.0f}%)", flush=True)
