@@ -154,6 +154,9 @@ def updated(new: dict, path: str) -> dict:
         old = json.load(f)
     for key in ("metrics", "choices"):
         old.setdefault(key, {}).update(new.get(key, {}))
+    for row in new.get("metrics", {}):  # a row refused now keeps no choice from an earlier run
+        if row not in new.get("choices", {}):
+            old["choices"].pop(row, None)
     exact_map = old["metrics"].get("exact", {}).get("bbox_mAP")
     if exact_map:  # a run without the exact row keeps its share against the file's
         for row, m in old["metrics"].items():

@@ -73,9 +73,15 @@ def vit_points() -> list[dict]:
                 continue
             out.append({"side": side, "split": split, "row": row, "kept": m.get("retained"), "mAP": m.get("bbox_mAP"),
                         "assignment": t.get("assignment", {}), "linear": m.get("linear"),
-                        "predicted_calibration": m.get("predicted_speedup"),
+                        "predicted_calibration": m.get("predicted_speedup"), "anchored": _anchored(job, row),
                         "predicted": t.get("predicted_speedup"), "measured": t.get("measured_speedup", 1.0 if row == "exact" else None)})
     return out
+
+
+def _anchored(job: dict, row: str) -> bool:
+    """Whether the row's calibration scaled its cost model to an end-to-end timing (its report's
+    ``speed.cost`` has a ``scale``; rows calibrated before the anchor have none)."""
+    return "scale" in ((job.get("choices", {}).get(row, {}).get("speed") or {}).get("cost") or {})
 
 
 def _x(v) -> str:
@@ -181,11 +187,13 @@ def predict_table() -> str:
             f"{_error_verdict(worst)}.")
 
 
-def calibration_error(points: list[dict]) -> Optional[tuple[float, str, int]]:
+def calibration_error(points: list[dict], anchored: Optional[bool] = None) -> Optional[tuple[float, str, int]]:
     """The largest error of the calibration's own prediction (the report's ``predicted_speedup``)
-    against the fresh-process measurement of the same rows, where it was, and over how many rows."""
+    against the fresh-process measurement of the same rows, where it was, and over how many rows
+    (``anchored``: only the rows whose cost model was, or was not, anchored end to end)."""
     pairs = [(abs(p["predicted_calibration"] - p["measured"]) / p["measured"], f"{p['side']} px {p['split']} {p['row']}")
-             for p in points if p.get("predicted_calibration") and p.get("measured")]
+             for p in points if p.get("predicted_calibration") and p.get("measured")
+             and (anchored is None or bool(p.get("anchored")) == anchored)]
     return (*max(pairs), len(pairs)) if pairs else None
 
 
@@ -201,7 +209,10 @@ def summary() -> str:
     if own:
         err, where, n = own
         line += (f" The calibration's own prediction (the report's `predicted_speedup`, {n} ViT rows): "
-                 f"{'met' if err <= ERROR_GOAL else 'missed'}, largest error {100 * err:.0f}% (ViT DEIMv2 {where}).")
+                 f"{'met' if err <= ERROR_GOAL else 'missed'}, largest error {100 * err:.0f}% (ViT DEIMv2 {where})")
+        anchored = calibration_error(points, anchored=True)
+        line += (f"; {anchored[2]} of these rows were calibrated with the cost model anchored end to end "
+                 f"(largest error {100 * anchored[0]:.0f}%, {anchored[1]})." if anchored else ".")
     return line
 
 

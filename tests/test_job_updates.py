@@ -22,6 +22,20 @@ def test_an_update_without_the_exact_row_keeps_the_share_against_the_files_exact
     assert out["updates"][-1]["rows"] == ["ours:auto"]
 
 
+def test_an_update_that_refuses_a_row_drops_the_rows_earlier_choice(tmp_path):
+    """A ``speedup=`` row calibrated before and refused now (no choice in the new run) must not keep
+    the old run's assignment: the speed job times every choice in the file."""
+    from experiments.main_job import updated
+
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"choices": {"ours:speedup=2": {"linearized": ["a"]}, "latte": {"linearized": ["b"]}},
+                                "metrics": {"ours:speedup=2": {"bbox_mAP": 0.5}, "latte": {"bbox_mAP": 0.4}}}))
+    new = {"command": "main_job --rows ours:speedup=2", "rows": {}, "choices": {},
+           "metrics": {"ours:speedup=2": {"bbox_mAP": float("nan"), "refused": "speedup=2 is above ..."}}}
+    out = updated(new, str(path))
+    assert list(out["choices"]) == ["latte"] and out["metrics"]["ours:speedup=2"]["refused"]
+
+
 def test_the_speed_job_refuses_a_row_it_does_not_have(tmp_path):
     from experiments import speed_job
 
@@ -73,3 +87,6 @@ def test_the_calibrations_own_prediction_is_judged_against_the_same_measurements
     err, where, count = calibration_error(points)
     assert err == pytest.approx(0.1) and where == "1440 px main ours:speedup=2.56" and count == 2
     assert calibration_error([point("exact", None, 1.0)]) is None
+    points[1]["anchored"] = True  # the rows whose cost model was scaled to an end-to-end timing, apart
+    assert calibration_error(points, anchored=True) == (pytest.approx(0.08), "1440 px main ours:speedup=1.78", 1)
+    assert calibration_error(points, anchored=False)[1:] == ("1440 px main ours:speedup=2.56", 1)
