@@ -62,6 +62,30 @@ def test_similarity_blocks_are_balanced_and_group_similar_tokens():
     assert torch.bincount(groups.flatten()).tolist() == [16] * 4
 
 
+def _slots(perm: torch.Tensor, groups: int) -> torch.Tensor:
+    """The group of every token under ``perm`` (sorted position -> token): ``(B, H, L)``."""
+    size = perm.shape[-1] // groups
+    return torch.empty_like(perm).scatter_(2, perm, (torch.arange(perm.shape[-1]) // size).expand_as(perm))
+
+
+@pytest.mark.parametrize("length,groups,d,shift,cut", [(64, 4, 8, 0.0, None), (256, 16, 16, 3.0, 200),
+                                                       (128, 8, 16, 0.0, 100), (512, 8, 32, 10.0, None)])
+def test_similarity_order_forms_the_reference_groups(length, groups, d, shift, cut):
+    """The fast bisection (covariance power iteration, row gathers) against the reference's, which
+    iterates over the tokens: the same groups. Within a group the order may differ; it is never used."""
+    g = torch.Generator().manual_seed(length + groups)
+    x = torch.randn(2, 3, length, d, generator=g) + shift
+    valid = torch.ones(2, 1, length, dtype=torch.bool)
+    if cut is not None:
+        valid[1, :, cut:] = False
+    fast = ops.piecewise.similarity_order(x, valid, groups)
+    assert torch.equal(fast.sort(-1).values, torch.arange(length).expand_as(fast))  # a permutation
+    torch.testing.assert_close(_slots(fast, groups), _slots(ops.naive_similarity_order(x, valid, groups), groups),
+                               rtol=0, atol=0)
+    if cut is not None:  # the padded tokens fill the last slots
+        assert bool((_slots(fast, groups)[1, :, cut:] >= groups + (cut - length) // (length // groups)).all())
+
+
 def test_a_key_far_above_the_chosen_blocks_leaves_every_path_finite():
     """A key whose block mean scores low but which scores ~400 against the query: not chosen, it
     enters only through its block's mean; float32 exp of its raw score would overflow."""

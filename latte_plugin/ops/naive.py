@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .masks import additive_mask
 
-__all__ = ["naive_softmax_attention", "naive_jpn_similarity", "naive_linear_attention", "naive_piecewise_attention"]
+__all__ = ["naive_softmax_attention", "naive_jpn_similarity", "naive_linear_attention", "naive_piecewise_attention",
+           "naive_similarity_order"]
 
 _EPS = 1e-6
 
@@ -161,3 +162,37 @@ def naive_piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec, m: Tensor |
     r_num = _naive_rest_values(q, k, v, (kbar, kgroup), rest_k, (r_den, w, vsum, n_rest), spec, (m, rho))
     den = e.sum(-1, keepdim=True) + r_den
     return ((e @ v + r_num) / torch.where(den > 0, den, torch.ones_like(den))).to(out_dtype)
+
+
+def naive_similarity_order(x: Tensor, valid: Tensor, groups: int, iters: int = 4) -> Tensor:
+    """A permutation that puts similar tokens together: ``log2(groups)`` rounds of bisection, each
+    group split at the median of its projection on its principal direction (power iteration from
+    a fixed start: deterministic), invalid tokens last. Balanced: every group gets the same number
+    of slots. The reference of :func:`latte_plugin.ops.piecewise.similarity_order`: the power
+    iteration as ``c^T (c v)`` over the tokens, each round gathered from ``x`` afresh.
+
+    Args:
+        x: ``(B, H, L, d)`` with ``L`` a multiple of ``groups``; valid: ``(B, H|1, L)`` bool.
+
+    Returns:
+        ``(B, H, L)`` int64: sorted position -> original position.
+    """
+    b, h, length, d = x.shape
+    valid = valid.expand(b, h, length)
+    perm = torch.arange(length, device=x.device).expand(b, h, length)
+    start = (1.0 + torch.arange(d, device=x.device, dtype=x.dtype) / d).view(1, 1, 1, d, 1)
+    g = 1
+    while g < groups:
+        xs = torch.gather(x, 2, perm.unsqueeze(-1).expand(b, h, length, d)).view(b, h, g, length // g, d)
+        ok = torch.gather(valid, 2, perm).view(b, h, g, length // g, 1).to(x.dtype)
+        mean = (xs * ok).sum(-2, keepdim=True) / ok.sum(-2, keepdim=True).clamp_min(1.0)
+        c = (xs - mean) * ok
+        vec = start.expand(b, h, g, d, 1)
+        for _ in range(iters):
+            vec = c.transpose(-1, -2) @ (c @ vec)
+            vec = vec / torch.linalg.vector_norm(vec, dim=-2, keepdim=True).clamp_min(1e-30)
+        proj = (c @ vec).squeeze(-1).masked_fill(ok.squeeze(-1) == 0, float("inf"))
+        order = torch.topk(proj, proj.shape[-1], dim=-1, largest=False).indices  # an ascending sort (ONNX TopK)
+        perm = torch.gather(perm.reshape(b, h, g, length // g), 3, order).reshape(b, h, length)
+        g *= 2
+    return perm
