@@ -29,9 +29,11 @@ CALIBRATE = ("auto", "always", "never")
 #: Error compensation after the selection: ``auto`` keeps it only where it lowers the
 #: judge's cross-fitted loss (``judge``).
 COMPENSATE = ("auto", "always", "never")
-#: What judges whole configurations and the compensation: the raw outputs, the detections, or
-#: ``auto`` (the detections where the adapter runs the detector's post-processing).
-JUDGES = ("outputs", "detections", "auto")
+#: What judges whole configurations and the compensation: the raw outputs, the detections,
+#: ``auto`` (the detections where the adapter runs the detector's post-processing), or ``matched``
+#: (the raw outputs of a set-prediction detector with its query slots matched by box; it also
+#: measures the speed search's single layers).
+JUDGES = ("outputs", "detections", "auto", "matched")
 #: What the selection optimises: a layer count (the paper's protocol) or the predicted speed-up.
 CHOOSE_FOR = ("count", "speed")
 #: Modes of the selected layers at inference.
@@ -156,7 +158,8 @@ class LatteConfig:
                                       "error: the earlier rule)", REFERENCES)
     judge: str = _opt("outputs", "what judges whole configurations and the compensation, cross-fitted: outputs (the "
                                  "raw-output MSE), detections (1 - agreement of the detections with the exact "
-                                 "model's; detectors only), or auto (detections for detectors, else outputs)", JUDGES)
+                                 "model's; detectors only), auto (detections for detectors, else outputs), or matched (the "
+                                 "raw-output MSE with a DETR-style detector's query slots matched by box)", JUDGES)
     target: Optional[float] = _opt(None, "fidelity budget in (0, 1) instead of a count: the most layers whose "
                                          "cross-fitted fidelity loss stays within it; for detectors 1 - agreement "
                                          "of the detections with the exact model's (0.05 keeps 95 percent), else the "

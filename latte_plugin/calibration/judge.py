@@ -22,7 +22,7 @@ from ..nn.params import LatteParams
 from .config import CROSS_FIT_FOLDS, LatteConfig
 from .context import ROLES, AllReduce, CalibrationRun, CalibrationSplit, Measure
 from .corrections import FittedCorrection, assign_folds, set_correction
-from .measures import RawDistortion
+from .measures import MatchedRawDistortion, RawDistortion
 
 __all__ = ["image_role", "compares_configurations", "split_calibration",
            "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "merged", "cross_fitted", "CrossFitJudge",
@@ -262,12 +262,15 @@ def confirmed_set(run: CalibrationRun, corrections: Mapping, candidates: list) -
 
 def configuration_judge(cfg: LatteConfig, forward: Callable[[Any], Any], detections: Optional[Measure]) -> Measure:
     """The measure that judges whole configurations and the compensation (``cfg.judge``): the
-    raw-output MSE, or ``detections`` (the detector adapter's
-    :class:`~latte_plugin.calibration.measures.DetectionDisagreement`; ``None`` for other models).
+    raw-output MSE, ``matched`` (the same with the query slots matched by box), or ``detections``
+    (the detector adapter's :class:`~latte_plugin.calibration.measures.DetectionDisagreement`;
+    ``None`` for other models).
 
     Raises:
         ValueError: ``judge='detections'`` on a model without a detector's post-processing.
     """
+    if cfg.judge == "matched":
+        return MatchedRawDistortion(forward)
     if cfg.judge == "detections" and detections is None:
         raise ValueError("judge='detections' needs a detector (an adapter that runs its post-processing); "
                          "use judge='outputs' or 'auto' for this model")

@@ -25,7 +25,7 @@ from .cost import LATTE, CostModel, mode_top
 from .front import FrontPoint, SpeedupUnreachable, choose_point, pareto_front, thin_front
 from .judge import Verdict, merged
 from .kernel_choice import choose_kernel
-from .measures import RawDistortion
+from .measures import MatchedRawDistortion, RawDistortion
 from .select import scores, select_by_score, summed_stats
 from .config import num_linear_layers
 
@@ -122,8 +122,9 @@ def judge_assignment(judges: Sequence, measure: Measure, layers: Mapping[str, La
 
 def single_distortions(run: CalibrationRun, halves: Sequence, menus: Menus) -> dict[str, dict[str, float]]:
     """``{layer: {mode: cross-fitted raw-output MSE with only that layer in that mode}}`` on the
-    search images of every half."""
-    mse, searchers = RawDistortion(run.forward, relative=False), [h.searcher for h in halves]
+    search images of every half (with the query slots matched by box under ``judge='matched'``)."""
+    mse = run.judge if isinstance(run.judge, MatchedRawDistortion) else RawDistortion(run.forward, relative=False)
+    searchers = [h.searcher for h in halves]
     out = {}
     for n in run.progress(list(menus), len(menus), "judging layer modes"):
         out[n] = {m: judge_assignment(searchers, mse, run.layers, menus, {n: m}).loss for m in menus[n]}
