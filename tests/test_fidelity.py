@@ -73,3 +73,49 @@ def test_raw_distortion_relative_and_mse():
     s = rel.sums(ref, out)
     assert s.tolist() == [6 * 0.25 + 4.0, 10.0, 6.0]
     assert rel.loss(s) == pytest.approx(5.5 / 6) and mse.loss(s) == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize("queries,seed", [(3, 0), (5, 1), (6, 2)])
+def test_query_matching_equals_trying_every_permutation(queries, seed):
+    from latte_plugin.calibration.measures import match_queries, naive_match_queries
+
+    gen = torch.Generator().manual_seed(seed)
+    ref, boxes = torch.rand(queries, 4, generator=gen), torch.rand(queries, 4, generator=gen)
+    assert torch.equal(match_queries(ref, boxes), naive_match_queries(ref, boxes))
+
+
+def test_matched_raw_distortion_ignores_the_slot_order_and_sees_real_changes():
+    """A detector's outputs with their query slots shuffled: the slot-by-slot MSE is large, the matched
+    one zero; a real change (a moved box, a changed logit) counts under both, and equally once the
+    slots are shuffled too. Outputs that are not (logits, boxes) are compared slot by slot."""
+    from latte_plugin.calibration.measures import MatchedRawDistortion
+
+    gen = torch.Generator().manual_seed(0)
+    logits, boxes = torch.randn(2, 9, 4, generator=gen), torch.rand(2, 9, 4, generator=gen)
+    perm = torch.stack([torch.randperm(9, generator=gen) for _ in range(2)])
+
+    def shuffled(x):
+        return torch.gather(x, 1, perm.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+    raw, matched = RawDistortion(lambda b: b, relative=False), MatchedRawDistortion(lambda b: b)
+    ref = (logits, boxes)
+    assert raw.loss(raw.sums(ref, (shuffled(logits), shuffled(boxes)))) > 0.1
+    assert matched.loss(matched.sums(ref, (shuffled(logits), shuffled(boxes)))) == 0.0
+    changed_logits = logits.clone()
+    changed_logits[0, 3] += 2.0
+    plain = raw.loss(raw.sums(ref, (changed_logits, boxes)))
+    assert plain == pytest.approx(4 * 4 / (2 * 9 * 4 * 2))  # 4 logits moved by 2, over every element
+    assert matched.loss(matched.sums(ref, (shuffled(changed_logits), shuffled(boxes)))) == pytest.approx(plain)
+    other = (torch.randn(2, 5, generator=gen),)
+    assert matched.loss(matched.sums(other, (other[0] + 1,))) == raw.loss(raw.sums(other, (other[0] + 1,)))
+
+
+def test_judge_matched_is_a_configuration_measure():
+    from latte_plugin.calibration.config import LatteConfig
+    from latte_plugin.calibration.judge import configuration_judge
+    from latte_plugin.calibration.measures import MatchedRawDistortion
+
+    measure = configuration_judge(LatteConfig(judge="matched"), lambda b: b, None)
+    assert isinstance(measure, MatchedRawDistortion) and measure.name == "raw-output MSE, queries matched by box"
+    with pytest.raises(ValueError, match="judge must be one of"):
+        LatteConfig(judge="sorted")
