@@ -24,7 +24,7 @@ VIT_BLOCKS = "hf.model.conv_encoder.backbone.model.layer.*.attention"
 
 
 def record(config: str, checkpoint: str, pattern: str, num_images: int, max_queries: int, block: int,
-           data_root: str | None, work_dir: str, order: str) -> dict:
+           data_root: str | None, work_dir: str, order: str, input_size: int | None = None) -> dict:
     """``{layer: (LatteParams, [fit items], [measuring items])}`` of the layers matching ``pattern``."""
     from latte_plugin.calibration.record import LayerRecorder, share_items
     from latte_plugin.calibration.taps import exact_taps
@@ -38,6 +38,10 @@ def record(config: str, checkpoint: str, pattern: str, num_images: int, max_quer
         from experiments.main_job import use_data_root
 
         use_data_root(cfg, data_root)
+    if input_size:
+        from experiments.main_job import use_input_size
+
+        use_input_size(cfg, input_size)
     runner = runner_with_checkpoint(cfg, checkpoint)
     model = ADAPTER.unwrap(runner.model).eval()
     layers = {n: lay for n, lay in find_latte_layers(model).items() if fnmatch.fnmatch(n, pattern)}
@@ -109,6 +113,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-queries", type=int, default=256, help="query tokens recorded per image (default: 256)")
     p.add_argument("--tops", type=int, nargs="+", default=list(PIECEWISE_TOPS))
     p.add_argument("--data-root", help="another generated split (its train images)")
+    p.add_argument("--input-size", type=int, help="square side the pipelines resize to (default: the config's)")
     p.add_argument("--results", required=True, help="JSON to write")
     p.add_argument("--work-dir", default=os.path.join(ROOT, "work_dirs", "piecewise_layers"))
     a = p.parse_args(argv)
@@ -123,7 +128,7 @@ def main(argv=None) -> dict:
     for order in ORDERS:
         with quiet(os.path.join(a.work_dir, "piecewise_layers.log")):
             recorded = record(a.config, a.checkpoint, a.candidates, a.num_images, a.max_queries, PIECEWISE_BLOCK,
-                              a.data_root, a.work_dir, order)
+                              a.data_root, a.work_dir, order, a.input_size)
         rows = by_order[order] = {}
         for n, (layer, fit, held) in recorded.items():
             rows[n] = measure_layer(layer, fit, held, a.tops, PIECEWISE_GAMMAS, PIECEWISE_BLOCK, order)

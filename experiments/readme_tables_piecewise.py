@@ -23,9 +23,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
                      + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
-def layers_table() -> str:
+def layers_table(name: str = "piecewise_layers_deimv2_vit.json") -> str:
     """results/piecewise_layers_deimv2_vit.json: held-out relative error per ViT block."""
-    res = _load("piecewise_layers_deimv2_vit.json")
+    res = _load(name)
     tokens, similar = res["orders"]["tokens"], res["orders"]["similarity"]
     tops = list(next(iter(similar.values()))["piecewise"]["latte"])
     rows = []
@@ -41,6 +41,12 @@ def layers_table() -> str:
             f"{res['measure_images']} train images that fitted nothing ({res['fit_images']} others fitted LATTE's "
             f"scalars and each gamma); blocks of {res['block']} tokens, `@t` = exact key blocks per query block. "
             f"`{res['command']}` ({res['seconds'] / 60:.1f} min).")
+
+
+def layers_1440_table() -> str:
+    """results/piecewise_layers_deimv2_vit_1440.json: the same at 1,440 px (8,101 tokens)."""
+    name = "piecewise_layers_deimv2_vit_1440.json"
+    return layers_table(name) if os.path.isfile(os.path.join(ROOT, "results", name)) else "Not measured yet."
 
 
 def _kernels(res: dict, row: str) -> str:
@@ -150,7 +156,8 @@ def kernel_auto_table() -> str:
     return _table(head, rows)
 
 
-TABLES = {"piecewise_layers": layers_table, "piecewise_vit": vit_table, "piecewise_vit_summary": vit_summary_table, "attention_piecewise": attention_speed_table,
+TABLES = {"piecewise_layers": layers_table, "piecewise_layers_1440": layers_1440_table, "piecewise_vit": vit_table,
+          "piecewise_vit_summary": vit_summary_table, "attention_piecewise": attention_speed_table,
           "kernel_auto": kernel_auto_table}
 
 

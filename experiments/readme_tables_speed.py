@@ -216,7 +216,22 @@ def summary() -> str:
     return line
 
 
-TABLES = {"speed_vit": vit_table, "speed_predict": predict_table, "speed_summary": summary}
+def raw_measure_table() -> str:
+    """results/raw_measure_order_1440.json: one ViT block changed at a time, the raw-output MSE slot by
+    slot and with the query slots matched by box."""
+    res = _load("raw_measure_order_1440.json")
+    if res is None:
+        return "Not measured yet."
+    modes = list(next(iter(res["rows"].values())))
+    rows = [[name.split(".")[-2], *(f"{r[m]['slot_mse']:.3f} / {r[m]['matched_mse']:.3f}" for m in modes)]
+            for name, r in res["rows"].items()]
+    return (_table(["ViT block", *(f"{m}: slot by slot / matched" for m in modes)], rows)
+            + f"\n\nRaw-output MSE against the exact model on {res['images']} train images at {res['input_size']} px, "
+            f"that block alone changed, no output correction. `{res['command']}`.")
+
+
+TABLES = {"speed_vit": vit_table, "speed_predict": predict_table, "speed_summary": summary,
+          "raw_measure_order": raw_measure_table}
 
 
 def plot(path: str) -> Optional[str]:
