@@ -230,8 +230,31 @@ def raw_measure_table() -> str:
             f"that block alone changed, no output correction. `{res['command']}`.")
 
 
+#: The opt-in matched judge at 1,440 px, beside the same row with the default judge.
+MATCHED_TRIAL = ("speed_deimv2_vit_1440_judge_matched.json", "speed_deimv2_vit_1440.json")
+
+
+def matched_trial_table() -> str:
+    """results/speed_deimv2_vit_1440_judge_matched.json: ``speedup=`` rows calibrated with
+    ``judge='matched'``, beside the same rows of the main 1,440 px job (default judge)."""
+    trial, main = (_load(n) for n in MATCHED_TRIAL)
+    if trial is None or main is None:
+        return "Not measured yet."
+    exact = main["metrics"]["exact"]["bbox_mAP"]
+    rows = []
+    for row in trial["metrics"]:
+        for judge, res in (("outputs (default)", main), ("matched", trial)):
+            m, speed = res["metrics"].get(row), (res.get("choices", {}).get(row) or {}).get("speed")
+            if m is None or speed is None:
+                continue
+            rows.append([row, judge, _modes(speed["assignment"]), f"{m['bbox_mAP']:.3f} ({100 * m['bbox_mAP'] / exact:.1f}%)",
+                         f"{speed['predicted_speedup']:.2f}x", f"{speed['measured_speedup']:.2f}x"])
+    head = ["row", "judge", "modes", "mAP (kept)", "predicted", "measured (in the calibrating process)"]
+    return (_table(head, rows) + f"\n\nExact bbox mAP {exact:.3f} (the main 1,440 px job). `{trial.get('command', '')}`.")
+
+
 TABLES = {"speed_vit": vit_table, "speed_predict": predict_table, "speed_summary": summary,
-          "raw_measure_order": raw_measure_table}
+          "raw_measure_order": raw_measure_table, "speed_matched_trial": matched_trial_table}
 
 
 def plot(path: str) -> Optional[str]:
