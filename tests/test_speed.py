@@ -137,6 +137,30 @@ def test_flow_chooses_modes_for_speedup_and_reports_the_front(monkeypatch):
 
 
 @torch.no_grad()
+def test_judge_matched_measures_the_singles_and_the_front(monkeypatch):
+    """With judge='matched' the speed search's singles and its judged points use the matched measure:
+    here one that scales the plain squared error by 10 (the toy's outputs are no (logits, boxes), so
+    matching falls back to the slot order), so every single is 10x the default judge's."""
+    from latte_plugin.calibration.measures import MatchedRawDistortion, RawDistortion
+
+    def tenfold(self, ref, out):
+        return RawDistortion.sums(self, ref, out) * torch.tensor([10.0, 1.0, 1.0], dtype=torch.float64)
+
+    monkeypatch.setattr(MatchedRawDistortion, "sums", tenfold)
+    reports = {}
+    for judge in ("outputs", "matched"):
+        model = _model()
+        monkeypatch.setattr(flow, "measure_costs", _fake_costs(model))
+        reports[judge] = calibrate_model(model, toy_batches(n=8), lambda b, m=model: m(b),
+                                         _settings(speedup=1.3, judge=judge), log=lambda s: None)["speed"]
+    assert reports["matched"]["measure"] == MatchedRawDistortion.name != reports["outputs"]["measure"]
+    plain, matched = reports["outputs"]["single_distortions"], reports["matched"]["single_distortions"]
+    for n, modes in plain.items():
+        for mode, value in modes.items():
+            assert matched[n][mode] == pytest.approx(10 * value, rel=1e-9)
+
+
+@torch.no_grad()
 def test_flow_target_gives_the_fastest_assignment_within_the_budget(monkeypatch):
     model = _model()
     monkeypatch.setattr(flow, "measure_costs", _fake_costs(model))
