@@ -23,18 +23,12 @@ MODES = ("latte", "piecewise@8", "piecewise@1")
 
 
 def matched_mse(ref: list[tuple], out: list[tuple]) -> tuple[float, float]:
-    """``(slot-by-slot MSE, box-matched MSE)`` of raw outputs ``[(logits (1, Q, C), boxes (1, Q, 4))]``."""
-    import torch
-    from scipy.optimize import linear_sum_assignment
+    """``(slot-by-slot MSE, box-matched MSE)`` of raw outputs ``[(logits (1, Q, C), boxes (1, Q, 4))]``:
+    :class:`~latte_plugin.calibration.measures.RawDistortion` and its matched form, summed over images."""
+    from latte_plugin.calibration.measures import MatchedRawDistortion, RawDistortion
 
-    slot = matched = 0.0
-    count = 0
-    for (lr, br), (lo, bo) in zip(ref, out):
-        slot += float(((lo - lr) ** 2).sum() + ((bo - br) ** 2).sum())
-        r, c = linear_sum_assignment(torch.cdist(br[0], bo[0], p=1).numpy())
-        matched += float(((lo[0, c] - lr[0, r]) ** 2).sum() + ((bo[0, c] - br[0, r]) ** 2).sum())
-        count += lr.numel() + br.numel()
-    return slot / count, matched / count
+    measures = (RawDistortion(lambda b: b, relative=False), MatchedRawDistortion(lambda b: b))
+    return tuple(m.loss(sum(m.sums(r, o) for r, o in zip(ref, out))) for m in measures)
 
 
 def main(argv=None) -> dict:

@@ -23,8 +23,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["RawDistortion", "MatchedRawDistortion", "match_queries", "naive_match_queries", "DetectionDisagreement", "Detections", "box_iou", "match_count", "naive_match_count",
-           "detection_agreement", "IOU_THRESHOLDS", "SCORE_THRESHOLD"]
+__all__ = ["RawDistortion", "MatchedRawDistortion", "match_queries", "naive_match_queries", "DetectionDisagreement",
+           "Detections", "box_iou", "match_count", "naive_match_count", "detection_agreement", "IOU_THRESHOLDS",
+           "SCORE_THRESHOLD"]
 
 #: COCO's IoU thresholds 0.50:0.05:0.95.
 IOU_THRESHOLDS = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))
