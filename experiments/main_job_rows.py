@@ -89,6 +89,9 @@ ROWS = [
     # one (alpha, rho) per head instead of one per layer (more freedom for the kernel; not a default)
     Row("ours:per_head", {"per_head": True}),
     Row("ours:per_head@83%", {"per_head": True, "ratio": 0.83, "num_linear": None}),
+    # the searches compare outputs with the query slots matched by box (not a default)
+    Row("ours:search=matched", {"search": "matched"}),
+    Row("ours:search=matched@83%", {"search": "matched", "ratio": 0.83, "num_linear": None}),
 ]
 #: The row whose calibrated checkpoint the main job saves and reports at the top level: the
 #: package defaults (LatteConfig).

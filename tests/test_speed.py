@@ -161,6 +161,30 @@ def test_judge_matched_measures_the_singles_and_the_front(monkeypatch):
 
 
 @torch.no_grad()
+def test_search_matched_measures_the_greedy_search(monkeypatch):
+    """search='matched' makes the greedy search compare sets with the matched measure (here 10x the
+    plain squared error, as above), and leaves the configuration judge alone."""
+    from latte_plugin.calibration.measures import MatchedRawDistortion, RawDistortion
+
+    def tenfold(self, ref, out):
+        return RawDistortion.sums(self, ref, out) * torch.tensor([10.0, 1.0, 1.0], dtype=torch.float64)
+
+    monkeypatch.setattr(MatchedRawDistortion, "sums", tenfold)
+    reports = {}
+    for search in ("outputs", "matched"):
+        torch.manual_seed(0)
+        model = _model()
+        cfg = _settings(selection="greedy", correction="sigma", num_linear=2, search=search)
+        reports[search] = calibrate_model(model, toy_batches(n=8), lambda b, m=model: m(b), cfg, log=lambda s: None)
+    plain, matched = (reports[s]["selection"]["trace"] for s in ("outputs", "matched"))
+    assert [t["added"] for t in plain] == [t["added"] for t in matched] and len(plain) == 2
+    for a, b in zip(plain, matched):
+        assert b["distortion"] == pytest.approx(10 * a["distortion"], rel=1e-9)
+    with pytest.raises(ValueError, match="search must be one of outputs, matched"):
+        LatteConfig(search="boxes")
+
+
+@torch.no_grad()
 def test_flow_target_gives_the_fastest_assignment_within_the_budget(monkeypatch):
     model = _model()
     monkeypatch.setattr(flow, "measure_costs", _fake_costs(model))

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from ..ops import BACKENDS, ORDERS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
-__all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES",
+__all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES", "SEARCHES",
            "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
            "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "EVIDENCE_SELECTIONS", "EVIDENCE_REFERENCE", "REFERENCES", "FINAL_SETS", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
            "PIECEWISE_SLACK", "num_linear_layers"]
@@ -34,6 +34,11 @@ COMPENSATE = ("auto", "always", "never")
 #: (the raw outputs of a set-prediction detector with its query slots matched by box; it also
 #: measures the speed search's single layers).
 JUDGES = ("outputs", "detections", "auto", "matched")
+#: What the greedy and backward searches (and the speed search's single layers) compare a set's
+#: outputs with: the raw outputs slot by slot, or ``matched`` (a set-prediction detector's query
+#: slots matched by box first: DEIMv2 and RT-DETR take their queries from the encoder's top scores,
+#: so a change upstream reorders the slots).
+SEARCHES = ("outputs", "matched")
 #: What the selection optimises: a layer count (the paper's protocol) or the predicted speed-up.
 CHOOSE_FOR = ("count", "speed")
 #: Modes of the selected layers at inference.
@@ -160,6 +165,9 @@ class LatteConfig:
                                  "raw-output MSE), detections (1 - agreement of the detections with the exact "
                                  "model's; detectors only), auto (detections for detectors, else outputs), or matched (the "
                                  "raw-output MSE with a DETR-style detector's query slots matched by box)", JUDGES)
+    search: str = _opt("outputs", "what the greedy and backward searches and the speed search's single layers compare "
+                                  "a set with, cross-fitted: outputs (the raw-output MSE slot by slot) or matched "
+                                  "(the same with a DETR-style detector's query slots matched by box first)", SEARCHES)
     target: Optional[float] = _opt(None, "fidelity budget in (0, 1) instead of a count: the most layers whose "
                                          "cross-fitted fidelity loss stays within it; for detectors 1 - agreement "
                                          "of the detections with the exact model's (0.05 keeps 95 percent), else the "
@@ -267,6 +275,8 @@ class LatteConfig:
             raise ValueError(f"final_set must be one of {', '.join(FINAL_SETS)}, got {self.final_set!r}")
         if self.judge not in JUDGES:
             raise ValueError(f"judge must be one of {', '.join(JUDGES)}, got {self.judge!r}")
+        if self.search not in SEARCHES:
+            raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
         if self.calibrate not in CALIBRATE:
             raise ValueError(f"calibrate must be one of {', '.join(CALIBRATE)}, got {self.calibrate!r}")
         if self.mode not in INFERENCE_MODES:

@@ -24,7 +24,7 @@ from .context import ROLES, CalibrationRun, Host, Measure
 from .corrections import CorrectionTable, FitOptions, LayerRecords, set_correction
 from .fit import fit_records
 from .judge import (CrossFitJudge, HalfSearch, Verdict, across_halves, configuration_judge, fold_assignment, measured, merged,
-                    on_every_image, output_distortion, split_calibration, confirmed_set)
+                    on_every_image, output_distortion, search_measure, split_calibration, confirmed_set)
 from .measures import RawDistortion
 from .record import record_layers
 from .report import ShareResult, build_report, fit_entry
@@ -230,9 +230,10 @@ def _search_half(run: CalibrationRun, i: int, corrections: CorrectionTable, ks: 
 
 def _search(run: CalibrationRun, searchers: list, sens: dict, ks: Sequence[int], corrections: CorrectionTable,
             methods: Sequence[str]):
-    """``candidate_sets`` with every set measured by the cross-fitted raw-output MSE on the
-    searchers' images together (each searcher remembers what it measured)."""
-    mse, rule = RawDistortion(run.forward, relative=False), run.cfg.correction
+    """``candidate_sets`` with every set measured by the cross-fitted raw-output MSE (slot by slot,
+    or matched by box: ``search``) on the searchers' images together (each searcher remembers what
+    it measured)."""
+    mse, rule = search_measure(run.cfg, run.forward), run.cfg.correction
     return candidate_sets(methods, run.layers, sens, ks,
                           lambda s: merged([j(mse, corrections[rule], rule)(s) for j in searchers], mse).loss)
 
@@ -327,7 +328,7 @@ def _select_configuration(run: CalibrationRun, fitted: _Fitted, ks: Sequence[int
     run.log(f"[latte] configuration: {name} (cross-fitted {measure.name}: "
             + ", ".join(f"{n} {v:.4e}" for n, v in comparison["losses"].items()) + ")")
     return Configuration(method, rule, [], k=k), {"chosen": method, "comparison": comparison, "measure": measure.name,
-                                                  **info}
+                                                  "search_measure": search_measure(cfg, run.forward).name, **info}
 
 
 def _final_set(run: CalibrationRun, chosen: Configuration, fitted: _Fitted, how: dict) -> tuple:

@@ -26,7 +26,8 @@ from .measures import MatchedRawDistortion, RawDistortion
 
 __all__ = ["image_role", "compares_configurations", "split_calibration",
            "fold_assignment", "image_counts", "measured", "output_distortion", "Verdict", "merged", "cross_fitted", "CrossFitJudge",
-           "HalfSearch", "across_halves", "on_every_image", "unsearched", "confirmed_set", "configuration_judge"]
+           "HalfSearch", "across_halves", "on_every_image", "unsearched", "confirmed_set", "configuration_judge",
+           "search_measure"]
 
 
 def image_role(position: int, holdout: float) -> str:
@@ -276,4 +277,13 @@ def configuration_judge(cfg: LatteConfig, forward: Callable[[Any], Any], detecti
                          "use judge='outputs' or 'auto' for this model")
     if cfg.judge != "outputs" and detections is not None:
         return detections
+    return RawDistortion(forward, relative=False)
+
+
+def search_measure(cfg: LatteConfig, forward: Callable[[Any], Any]) -> Measure:
+    """The measure the greedy and backward searches and the speed search's single layers compare
+    sets with (``cfg.search``): the raw-output MSE slot by slot, or with the query slots matched by
+    box (``search='matched'``, or ``judge='matched'``, which has always measured the single layers so)."""
+    if cfg.search == "matched" or cfg.judge == "matched":
+        return MatchedRawDistortion(forward)
     return RawDistortion(forward, relative=False)

@@ -23,9 +23,8 @@ from .context import CalibrationRun, Measure
 from .corrections import FitOptions, FittedCorrection, LayerRecords, fit_correction, set_correction
 from .cost import LATTE, CostModel, mode_top
 from .front import FrontPoint, SpeedupUnreachable, choose_point, pareto_front, thin_front
-from .judge import Verdict, merged
+from .judge import Verdict, merged, search_measure
 from .kernel_choice import choose_kernel
-from .measures import MatchedRawDistortion, RawDistortion
 from .select import scores, select_by_score, summed_stats
 from .config import num_linear_layers
 
@@ -122,8 +121,9 @@ def judge_assignment(judges: Sequence, measure: Measure, layers: Mapping[str, La
 
 def single_distortions(run: CalibrationRun, halves: Sequence, menus: Menus) -> dict[str, dict[str, float]]:
     """``{layer: {mode: cross-fitted raw-output MSE with only that layer in that mode}}`` on the
-    search images of every half (with the query slots matched by box under ``judge='matched'``)."""
-    mse = run.judge if isinstance(run.judge, MatchedRawDistortion) else RawDistortion(run.forward, relative=False)
+    search images of every half (with the query slots matched by box under ``search='matched'`` or
+    ``judge='matched'``: :func:`~.judge.search_measure`)."""
+    mse = search_measure(run.cfg, run.forward)
     searchers = [h.searcher for h in halves]
     out = {}
     for n in run.progress(list(menus), len(menus), "judging layer modes"):
