@@ -202,7 +202,7 @@ def summary() -> str:
     the calibration's own)."""
     points = vit_points()
     rows, worst = predict_rows()
-    head = vit_goals(points) if points else "Goals: not measured yet."
+    head = (vit_goals(points) + matched_summary()) if points else "Goals: not measured yet."
     line = head + (f" Prediction within {100 * ERROR_GOAL:.0f}% of measured ({len(rows)} assignments on "
                    f"{len({r[0].split(' (')[0] for r in rows})} model(s)): {_error_verdict(worst, ',')}." if rows else "")
     own = calibration_error(points)
@@ -230,27 +230,77 @@ def raw_measure_table() -> str:
             f"that block alone changed, no output correction. `{res['command']}`.")
 
 
-#: The opt-in matched judge at 1,440 px, beside the same row with the default judge.
-MATCHED_TRIAL = ("speed_deimv2_vit_1440_judge_matched.json", "speed_deimv2_vit_1440.json")
+#: The opt-in matched judge: (input side, split) -> (its main job results, its fresh-process
+#: timings), beside the same split's runs with the default judge (:data:`VIT_RUNS`).
+MATCHED_RUNS = {(1440, "main"): ("speed_deimv2_vit_1440_judge_matched.json",
+                                 "speed_measured_deimv2_vit_1440_judge_matched.json"),
+                (1024, "seed 1212"): ("speed_deimv2_vit_1024_seed1212_judge_matched.json",
+                                      "speed_measured_deimv2_vit_1024_seed1212_judge_matched.json"),
+                (1024, "seed 1111"): ("speed_deimv2_vit_1024_seed1111_judge_matched.json",
+                                      "speed_measured_deimv2_vit_1024_seed1111_judge_matched.json"),
+                (1024, "main"): ("speed_deimv2_vit_1024_judge_matched.json",
+                                 "speed_measured_deimv2_vit_1024_judge_matched.json")}
+
+
+def _fresh(timing: Optional[dict], row: str) -> Optional[float]:
+    return next((r["measured_speedup"] for r in (timing or {}).get("rows", []) if r["row"] == row), None)
+
+
+def matched_rows() -> list[dict]:
+    """Every ``speedup=`` row calibrated with ``judge='matched'``, and the same row with the default
+    judge on the same split: kept (against that split's exact row in the default job), the
+    calibration's prediction, its in-process measurement and the fresh-process one."""
+    out = []
+    for (side, split), (job_file, timing_file) in MATCHED_RUNS.items():
+        trial, base = _load(job_file), _load(VIT_RUNS[(side, split)][0])
+        if trial is None or base is None:
+            continue
+        timings = {"matched": _load(timing_file), "outputs (default)": _load(VIT_RUNS[(side, split)][1])}
+        exact = base["metrics"]["exact"]["bbox_mAP"]
+        for row in trial["metrics"]:
+            for judge, res in (("outputs (default)", base), ("matched", trial)):
+                m, speed = res["metrics"].get(row), (res.get("choices", {}).get(row) or {}).get("speed")
+                if m is None or speed is None:
+                    continue
+                out.append({"side": side, "split": split, "row": row, "judge": judge, "modes": _modes(speed["assignment"]),
+                            "mAP": m["bbox_mAP"], "kept": m["bbox_mAP"] / exact, "predicted": speed["predicted_speedup"],
+                            "in_process": speed["measured_speedup"], "fresh": _fresh(timings[judge], row)})
+    return out
 
 
 def matched_trial_table() -> str:
-    """results/speed_deimv2_vit_1440_judge_matched.json: ``speedup=`` rows calibrated with
-    ``judge='matched'``, beside the same rows of the main 1,440 px job (default judge)."""
-    trial, main = (_load(n) for n in MATCHED_TRIAL)
-    if trial is None or main is None:
+    """:func:`matched_rows` as a table, and the commands."""
+    rows = matched_rows()
+    if not rows:
         return "Not measured yet."
-    exact = main["metrics"]["exact"]["bbox_mAP"]
-    rows = []
-    for row in trial["metrics"]:
-        for judge, res in (("outputs (default)", main), ("matched", trial)):
-            m, speed = res["metrics"].get(row), (res.get("choices", {}).get(row) or {}).get("speed")
-            if m is None or speed is None:
-                continue
-            rows.append([row, judge, _modes(speed["assignment"]), f"{m['bbox_mAP']:.3f} ({100 * m['bbox_mAP'] / exact:.1f}%)",
-                         f"{speed['predicted_speedup']:.2f}x", f"{speed['measured_speedup']:.2f}x"])
-    head = ["row", "judge", "modes", "mAP (kept)", "predicted", "measured (in the calibrating process)"]
-    return (_table(head, rows) + f"\n\nExact bbox mAP {exact:.3f} (the main 1,440 px job). `{trial.get('command', '')}`.")
+    head = ["px", "split", "row", "judge", "modes", "mAP (kept)", "predicted", "measured in the calibrating process",
+            "measured, fresh processes"]
+    body = [[r["side"], r["split"], r["row"], r["judge"], r["modes"], f"{r['mAP']:.3f} ({100 * r['kept']:.1f}%)",
+             f"{r['predicted']:.2f}x", f"{r['in_process']:.2f}x", "-" if r["fresh"] is None else f"{r['fresh']:.2f}x"]
+            for r in rows]
+    commands = [f"`{res['command']}`" for res in (_load(j) for j, _ in MATCHED_RUNS.values()) if res]
+    timed = [f"`{res['command']}`" for res in (_load(t) for _, t in MATCHED_RUNS.values()) if res]
+    return (_table(head, body) + "\n\nKept: against the exact bbox mAP of the same split's default job. "
+            + "; ".join(commands) + (". Fresh-process timings: " + "; ".join(timed) if timed else "") + ".")
+
+
+def matched_summary() -> str:
+    """The fastest fresh-process speed-up at >= 97% kept with the matched judge, per calibrated split."""
+    rows = [r for r in matched_rows() if r["judge"] == "matched"]
+    if not rows:
+        return ""
+    parts = []
+    for side, split in MATCHED_RUNS:
+        here = [r for r in rows if (r["side"], r["split"]) == (side, split)]
+        kept = [r for r in here if r["kept"] >= KEPT_GOAL]
+        timed = [r["fresh"] for r in kept if r["fresh"] is not None]
+        if timed:
+            parts.append(f"{side} px {split} {max(timed):.2f}x")
+        elif here:
+            parts.append(f"{side} px {split}: " + ("not timed in fresh processes yet" if kept else
+                                                   f"none of its {len(here)} row(s) keeps {100 * KEPT_GOAL:.0f}%"))
+    return (" With the opt-in `judge='matched'` (rows run on some splits only; fastest measured at >= "
+            f"{100 * KEPT_GOAL:.0f}% kept): " + ", ".join(parts) + ".")
 
 
 TABLES = {"speed_vit": vit_table, "speed_predict": predict_table, "speed_summary": summary,
