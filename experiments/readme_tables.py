@@ -382,7 +382,8 @@ def headline_table() -> str:
 def sweep_table(files: str = "sweep_rule") -> str:
     """experiments/sweep_defaults.py: the defaults against the paper's protocol, the previous
     defaults (and the earlier rule) over generated splits and budgets (experiments/sweep_report.py);
-    ``files``: ``sweep_rule`` (held-out) or ``sweep_defaults`` (the design sweep)."""
+    ``files``: ``sweep_rule`` (held-out), ``sweep_defaults`` (the design sweep) or
+    ``sweep_matched`` (``search='matched'`` on splits fixed after its pilot)."""
     from experiments import sweep_report
 
     entries = sweep_report.load_entries(RESULTS, files)
@@ -431,6 +432,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "headline": headline_table,
     "sweep": sweep_table,
     "sweep_design": lambda: sweep_table("sweep_defaults"),
+    "sweep_matched": lambda: sweep_table("sweep_matched"),
     "sweep_summary": sweep_summary,
     "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,
