@@ -92,6 +92,9 @@ ROWS = [
     # the searches compare outputs with the query slots matched by box (not a default)
     Row("ours:search=matched", {"search": "matched"}),
     Row("ours:search=matched@83%", {"search": "matched", "ratio": 0.83, "num_linear": None}),
+    # the output correction with a linear term in each query's own value (docs/method.md#diag; not a default)
+    Row("ours:correction=diag", {"correction": "diag"}),
+    Row("ours:correction=diag@83%", {"correction": "diag", "ratio": 0.83, "num_linear": None}),
 ]
 #: The row whose calibrated checkpoint the main job saves and reports at the top level: the
 #: package defaults (LatteConfig).

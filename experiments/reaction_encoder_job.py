@@ -58,7 +58,9 @@ CANDIDATES = ["encoder.layer.*.attention.self"]
 #: the rows: the sweep's names and their settings (as experiments/sequence_job.py)
 ROWS = {"paper": {"selection": "score", "holdout": 0.0, "correction": "sigma", "compensate": "never"},
         "previous": {"selection": "greedy", "correction": "refit", "compensate": "never", "holdout": 0.25},
-        "ours": {}}
+        "ours": {},
+        # the package defaults with the opt-in diagonal term (docs/method.md#diag)
+        "diag": {"correction": "diag"}}
 REACTIONS_CACHE = os.path.join(ROOT, "data", "reactions", "chembl_retro.json")
 
 

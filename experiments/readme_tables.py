@@ -392,6 +392,17 @@ def sweep_table(files: str = "sweep_rule") -> str:
     return sweep_report.table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
 
 
+def sweep_diag_table() -> str:
+    """experiments/sweep_defaults.py's ``diag`` rows (``correction='diag'``) beside the other rows of
+    the same held-out splits (experiments/sweep_report.py)."""
+    from experiments import sweep_report
+
+    entries = sweep_report.load_entries(RESULTS)
+    files_read = [_load(os.path.basename(p)) for p in sweep_report.glob.glob(os.path.join(RESULTS, "sweep_rule_*.json"))]
+    cmds = sorted({c for res in files_read for c in res.get("commands", [res["command"]]) if " diag" in c})
+    return sweep_report.diag_table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
+
+
 def sweep_summary() -> str:
     """The README's line on the held-out sweep (experiments/sweep_report.py)."""
     from experiments import sweep_report
@@ -433,6 +444,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "sweep": sweep_table,
     "sweep_design": lambda: sweep_table("sweep_defaults"),
     "sweep_matched": lambda: sweep_table("sweep_matched"),
+    "sweep_diag": sweep_diag_table,
     "sweep_summary": sweep_summary,
     "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,

@@ -53,8 +53,9 @@ REFIT_REGS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 #: (the more cautious of the values chosen on the embedded models: docs/results.md).
 REFIT_FALLBACK = 0.01
 #: Output corrections: none, the paper's per-channel sigma, the ridge refit of the whole output,
-#: or ``auto``: the one of these (refit at each strength) with the lowest cross-fitted error.
-CORRECTIONS = ("none", "sigma", "refit", "auto")
+#: or ``auto``: the one of these (refit at each strength) with the lowest cross-fitted error; or
+#: ``diag`` (opt-in): the refit plus a linear term in each query's own value (self-attention).
+CORRECTIONS = ("none", "sigma", "refit", "auto", "diag")
 #: The correction rules whole configurations compare under ``correction='auto'`` (the paper's sigma
 #: first: the reference the others must beat).
 CORRECTION_RULES = ("sigma", "refit", "auto")
@@ -135,8 +136,9 @@ class LatteConfig:
                           "is chosen on them)")
     lr: float = _opt(1.0, "L-BFGS step scale")
     correction: str = _opt("auto", "output correction of each linear layer: none, sigma (the paper), refit "
-                                   "(ridge refit of the whole output), or auto (per layer, the candidate with the "
-                                   "lowest cross-fitted error)", CORRECTIONS)
+                                   "(ridge refit of the whole output), auto (per layer, the candidate with the "
+                                   "lowest cross-fitted error), or diag (opt-in: the refit plus a linear term in "
+                                   "each query's own value, in self-attention)", CORRECTIONS)
     refit_reg: Sequence[float] = _opt(REFIT_REGS, "candidate ridge strengths of the refit, relative to the input "
                                                   "energy (chosen on held-out images)")
     holdout: float = _opt(0.0, "fraction of calibration images held out, in [0, 1): half of them choose the "

@@ -2,7 +2,9 @@
 ``docs/method.md#cross-fitting``).
 
 A correction maps the linear layer's output ``o`` to ``[o, 1] W`` (``W`` ``(C+1, C)``): none,
-the paper's per-channel sigma, or a ridge refit of the whole output. Everything is closed form
+the paper's per-channel sigma, or a ridge refit of the whole output; or, in self-attention, to
+``[o, 1, v_own] W`` (``W`` ``(2C+1, C)``, kind ``diag``): the refit plus a linear term in each
+query's own value. Everything is closed form
 from per-fold sufficient statistics (:class:`FoldSums`): each rule (:func:`fit_rule`) chooses among
 its candidates by cross-fitting, and for every fold holds the choice and the weights made without
 it (:class:`FittedCorrection`), which is what lets the judge never score an image with a
@@ -195,8 +197,8 @@ def reconstruction_error(
     with torch.no_grad():
         for it in items:
             o = linear_outputs(layer, it, layer.m, layer.log_rho)
-            if use_sigma:  # sigma and, if fitted, the output refit
-                o = layer.correct(o)
+            if use_sigma:  # sigma and, if fitted, the output refit (and the diagonal term)
+                o = layer.correct(o, it.v_own)
             vals.append((((o - it.target) ** 2).sum(), float(o.numel())))
     acc = sum_count(vals, all_reduce)
     return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
@@ -211,25 +213,33 @@ def _rows(o: Tensor) -> Tensor:
 
 
 def _normal_sums(layer: LatteParams, stacked: list[RecordedItem], all_reduce: AllReduce) -> dict[str, Tensor]:
-    """Sufficient statistics of the output correction, summed across ranks (float64):
-    ``xtx`` ``(C+1, C+1)`` and ``xty`` ``(C+1, C)`` with a ones column, ``yty`` and ``rows``."""
+    """Sufficient statistics of the output corrections, summed across ranks (float64): ``xtx``
+    ``(2C+1, 2C+1)`` and ``xty`` ``(2C+1, C)`` of the features ``[o, 1, v_own]`` (``v_own`` zero
+    where an item has none: its diagonal weights then shrink to zero), ``yty`` and ``rows``.
+    The first ``C+1`` features are what ``none``, ``sigma`` and ``refit`` see (:func:`_leading`)."""
     c = layer.embed_dim
-    xtx = torch.zeros(c + 1, c + 1, dtype=torch.float64)
-    xty = torch.zeros(c + 1, c, dtype=torch.float64)
+    f = 2 * c + 1
+    xtx = torch.zeros(f, f, dtype=torch.float64)
+    xty = torch.zeros(f, c, dtype=torch.float64)
     rest = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for it in stacked:
             x = _rows(linear_outputs(layer, it, layer.m.double(), layer.log_rho.double()).double())
             y = _rows(it.target.double())
-            x1 = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+            own = torch.zeros_like(x) if it.v_own is None else _rows(it.v_own.double())
+            x1 = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype), own], dim=1)
             xtx += x1.t() @ x1
             xty += x1.t() @ y
             rest[0] += (y * y).sum()
             rest[1] += x.shape[0]
     flat = all_reduce(torch.cat([xtx.reshape(-1), xty.reshape(-1), rest]))
-    n1, n2 = (c + 1) ** 2, (c + 1) * c
-    return {"xtx": flat[:n1].view(c + 1, c + 1), "xty": flat[n1:n1 + n2].view(c + 1, c),
-            "yty": flat[-2], "rows": flat[-1]}
+    n1, n2 = f * f, f * c
+    return {"xtx": flat[:n1].view(f, f), "xty": flat[n1:n1 + n2].view(f, c), "yty": flat[-2], "rows": flat[-1]}
+
+
+def _leading(sums: dict[str, Tensor], features: int) -> dict[str, Tensor]:
+    """The sums of the first ``features`` features only."""
+    return {**sums, "xtx": sums["xtx"][:features, :features], "xty": sums["xty"][:features]}
 
 
 def _add_sums(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -237,8 +247,10 @@ def _add_sums(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _correction_mse(w: Tensor, sums: dict[str, Tensor]) -> float:
-    """MSE of ``[x, 1] w`` against ``y`` from the sums: ``(tr(w'XtXw) - 2 tr(w'XtY) + YtY) / (rows C)``."""
+    """MSE of ``[x, 1] w`` (or ``[x, 1, v_own] w``) against ``y`` from the sums:
+    ``(tr(w'XtXw) - 2 tr(w'XtY) + YtY) / (rows C)``."""
     c = w.shape[1]
+    sums = _leading(sums, w.shape[0])
     sse = (w * (sums["xtx"] @ w)).sum() - 2 * (w * sums["xty"]).sum() + sums["yty"]
     return float(sse / (sums["rows"] * c)) if float(sums["rows"]) > 0 else float("nan")
 
@@ -255,19 +267,21 @@ def _sigma_from_sums(sums: dict[str, Tensor]) -> Tensor:
     return torch.where(den > 0, num / den.clamp_min(1e-30), torch.ones_like(num))
 
 
-def _ridge(sums: dict[str, Tensor], reg: float) -> Tensor:
-    """Ridge refit pulled towards the identity (no refit): ``(C+1, C)`` weights.
+def _ridge(sums: dict[str, Tensor], reg: float, features: int) -> Tensor:
+    """Ridge refit pulled towards the identity (no refit) on the first ``features`` features:
+    ``(C+1, C)`` weights, or ``(2C+1, C)`` with the diagonal term (pulled towards zero).
 
-    ``min ||[x, 1] w - y||^2 + lam ||W - I||^2`` with ``lam = reg * mean(diag(XtX))``, so
-    ``reg`` is scale-free. The bias row is not penalised.
+    ``min ||X w - y||^2 + lam ||w - w_0||^2`` with ``lam = reg * mean(diag(XtX))`` over ``o``'s
+    block, so ``reg`` is scale-free. The bias row is not penalised.
     """
     c = sums["xty"].shape[1]
+    sums = _leading(sums, features)
     lam = reg * float(sums["xtx"][:c, :c].diagonal().mean().clamp_min(1e-30))
-    pen = torch.ones(c + 1, dtype=torch.float64)
+    pen = torch.ones(features, dtype=torch.float64)
     pen[c] = 0.0
     a = sums["xtx"] + lam * torch.diag(pen)
-    b = sums["xty"] + lam * _identity_w(c)
-    return torch.linalg.solve(a + 1e-12 * torch.eye(c + 1, dtype=torch.float64), b)
+    b = sums["xty"] + lam * torch.cat([_identity_w(c), torch.zeros(features - c - 1, c, dtype=torch.float64)])
+    return torch.linalg.solve(a + 1e-12 * torch.eye(features, dtype=torch.float64), b)
 
 
 def reset_correction(layer: LatteParams) -> None:
@@ -275,27 +289,34 @@ def reset_correction(layer: LatteParams) -> None:
     layer.refit_on.fill_(False)
     layer.refit_weight.copy_(torch.eye(layer.embed_dim))
     layer.refit_bias.zero_()
+    layer.diag_on.fill_(False)
+    layer.diag_weight.zero_()
 
 
 def correction_weights(kind: str, fit_sums: dict[str, Tensor], reg: Optional[float] = None) -> Tensor:
-    """``(C+1, C)`` weights of an output correction fitted on ``fit_sums`` only (last row: bias)."""
+    """``(C+1, C)`` weights of an output correction fitted on ``fit_sums`` only (row ``C``: bias),
+    ``(2C+1, C)`` for ``diag`` (rows ``C+1..2C``: the diagonal term)."""
     c = fit_sums["xty"].shape[1]
     if kind == "none":
         return _identity_w(c)
     if kind == "sigma":
         return _identity_w(c, _sigma_from_sums(fit_sums))
-    return _ridge(fit_sums, float(reg))
+    return _ridge(fit_sums, float(reg), 2 * c + 1 if kind == "diag" else c + 1)
 
 
 def apply_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
-    """Writes a correction into the layer's buffers (sigma for ``sigma``, the refit for ``refit``)."""
+    """Writes a correction into the layer's buffers (sigma for ``sigma``, the refit for ``refit``,
+    the refit and the diagonal term for ``diag``)."""
     c = layer.embed_dim
     if kind == "sigma":
         layer.sigma.copy_(w[:c].diagonal().float())
-    elif kind == "refit":
+    elif kind in ("refit", "diag"):
         layer.refit_weight.copy_(w[:c].t().float())
         layer.refit_bias.copy_(w[c].float())
         layer.refit_on.fill_(True)
+        if kind == "diag":
+            layer.diag_weight.copy_(w[c + 1:].t().float())
+            layer.diag_on.fill_(True)
 
 
 def set_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
@@ -343,8 +364,8 @@ def rule_candidates(rule: str, refit_regs: tuple) -> dict[str, tuple[str, Option
     each strength for ``refit``, all of them for ``auto`` (the paper's sigma first: it wins ties)."""
     if rule in ("none", "sigma"):
         return {rule: (rule, None)}
-    if rule == "refit":
-        return {f"refit@{float(r):g}": ("refit", float(r)) for r in refit_regs}
+    if rule in ("refit", "diag"):
+        return {f"{rule}@{float(r):g}": (rule, float(r)) for r in refit_regs}
     return correction_candidates(refit_regs)
 
 
@@ -352,7 +373,7 @@ def _fallback(cands: dict) -> str:
     """The candidate a rule takes with fewer than two folds to compare on."""
     if "sigma" in cands:
         return "sigma"
-    name = f"refit@{REFIT_FALLBACK:g}"
+    name = f"{next(iter(cands.values()))[0]}@{REFIT_FALLBACK:g}"
     return name if name in cands else next(iter(cands))
 
 
@@ -432,14 +453,14 @@ def fit_correction(layer: LatteParams, records: LayerRecords, opts: FitOptions) 
     mine = fitted[correction]
     apply_correction(layer, mine.kind, mine.weights)
     layer.calibrated.fill_(True)
-    cands = rule_candidates(correction, refit_regs) if correction in ("auto", "refit") else {
+    cands = rule_candidates(correction, refit_regs) if correction in ("auto", "refit", "diag") else {
         c: (c, REFIT_FALLBACK if c == "refit" else None) for c in ("none", "sigma", "refit")}
     has_report = float(all_reduce(torch.tensor([float(len(report))], dtype=torch.float64))[0]) > 0
     heldout = _report_errors(layer, sums.total, report, all_reduce, cands) if has_report else {}
     final = reconstruction_error(layer, items, all_reduce)
     return FitResult(initial_mse=final, final_mse=final, alpha_init=float(layer.alpha),
                      heldout_mse=heldout.get(mine.name, heldout.get(mine.kind)),
-                     refit_reg=cands[mine.name][1] if mine.kind == "refit" else None, choice={"correction": mine.cv},
+                     refit_reg=cands[mine.name][1] if mine.kind in ("refit", "diag") else None, choice={"correction": mine.cv},
                      heldout=heldout, correction=mine.name, kind=mine.kind, weights=mine.weights, rules=fitted)
 
 

@@ -44,6 +44,9 @@ class RecordedItem:
     #: ``(H, n, d)``: each sampled query's pooled query (the mean of its block of the image's
     #: queries), recorded for the piecewise kernel (``LayerRecorder.pool_block``); else ``None``
     q_pool: Optional[Tensor] = None
+    #: ``(H, n, d_v)``: each sampled query's own value (self-attention: as many queries as keys),
+    #: for the diagonal term of ``correction='diag'``; else ``None``
+    v_own: Optional[Tensor] = None
 
 
 #: An item's key is ``batch position * KEY_STRIDE + index in the batch``.
@@ -139,6 +142,7 @@ class LayerRecorder:
         idx = torch.randperm(n, generator=gen)[: self.max_queries].sort().values if n > self.max_queries \
             else torch.arange(n)
         kb, vb, mask = k[b], v[b], None
+        v_own = v[b][:, idx.to(q.device)].detach().float().cpu() if n == v.shape[2] else None
         if attn_mask is not None:
             mask = attn_mask[b if attn_mask.shape[0] > 1 else 0, :1].expand(1, n, k.shape[2])[:, idx.to(q.device)]
         if key_padding_mask is not None:
@@ -152,7 +156,7 @@ class LayerRecorder:
         return RecordedItem(q=q[b][:, idx].detach().float().cpu(), k=kb.detach().float().cpu(),
                             v=vb.detach().float().cpu(), target=out[b][:, idx].detach().float().cpu(),
                             mask=None if mask is None else mask.detach().cpu(), key=key, priority=priority,
-                            q_pool=q_pool)
+                            q_pool=q_pool, v_own=v_own)
 
     def _add(self, item: RecordedItem) -> None:
         self.items.append(item)
@@ -161,14 +165,15 @@ class LayerRecorder:
             self.items.pop(worst)
 
 
-_HEADER = ("present", "key", "priority", "H", "n", "M", "d", "dv", "has_mask", "has_pool")
+_HEADER = ("present", "key", "priority", "H", "n", "M", "d", "dv", "has_mask", "has_pool", "has_own")
 
 
 def _item_sizes(row: list[float]) -> list[tuple[str, tuple[int, ...]]]:
     """The tensors of an item described by a header row, with their shapes."""
     h, n, m, d, dv = (int(row[i]) for i in range(3, 8))
     parts = [("q", (h, n, d)), ("k", (h, m, d)), ("v", (h, m, dv)), ("target", (h, n, dv))]
-    return parts + ([("mask", (1, n, m))] if row[8] else []) + ([("q_pool", (h, n, d))] if row[9] else [])
+    return (parts + ([("mask", (1, n, m))] if row[8] else []) + ([("q_pool", (h, n, d))] if row[9] else [])
+            + ([("v_own", (h, n, dv))] if row[10] else []))
 
 
 def _all_gather_items(items: list[RecordedItem], slots: int, all_reduce: AllReduce,
@@ -181,7 +186,7 @@ def _all_gather_items(items: list[RecordedItem], slots: int, all_reduce: AllRedu
     for i, it in enumerate(items):
         (h, n, d), m, dv = it.q.shape, it.k.shape[1], it.v.shape[-1]
         header[rank, i] = torch.tensor([1.0, it.key, it.priority, h, n, m, d, dv, float(it.mask is not None),
-                                        float(it.q_pool is not None)],
+                                        float(it.q_pool is not None), float(it.v_own is not None)],
                                        dtype=torch.float64)
     rows = [r for r in all_reduce(header).view(-1, len(_HEADER)).tolist() if r[0] > 0]
     sizes = [sum(math.prod(shape) for _, shape in _item_sizes(r)) for r in rows]
@@ -238,13 +243,14 @@ def stack_by_shape(items: list[RecordedItem]) -> list[RecordedItem]:
     """
     groups: dict[tuple, list[RecordedItem]] = {}
     for it in items:
-        key = (tuple(it.q.shape), tuple(it.k.shape), it.mask is None, it.q_pool is None)
+        key = (tuple(it.q.shape), tuple(it.k.shape), it.mask is None, it.q_pool is None, it.v_own is None)
         groups.setdefault(key, []).append(it)
     return [
         RecordedItem(
             *(torch.stack([getattr(it, f) for it in g]).double() for f in ("q", "k", "v", "target")),
             mask=None if g[0].mask is None else torch.stack([it.mask for it in g]),
             q_pool=None if g[0].q_pool is None else torch.stack([it.q_pool for it in g]).double(),
+            v_own=None if g[0].v_own is None else torch.stack([it.v_own for it in g]).double(),
         )
         for g in groups.values()
     ]

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .. import ops
 
-__all__ = ["MODES", "KERNELS", "LatteParams", "merge_heads"]
+__all__ = ["MODES", "KERNELS", "LatteParams", "own_values", "merge_heads"]
 
 #: ``exact`` = softmax; ``linear`` = LATTE; ``dynamic`` = softmax below ``threshold`` keys;
 #: ``uniform`` = the mean of the values (a control that shows how much attention matters).
@@ -25,7 +25,7 @@ MODES = ("exact", "linear", "dynamic", "uniform")
 KERNELS = ("latte", "piecewise")
 #: Buffers added after the first checkpoints were written, with the value an older checkpoint means.
 _LATER_BUFFERS = {"kernel_id": 0, "piecewise_top": 0, "piecewise_gamma": 1.0, "piecewise_rest_id": 0,
-                  "piecewise_block": ops.PIECEWISE_BLOCK, "piecewise_order_id": 0}
+                  "piecewise_block": ops.PIECEWISE_BLOCK, "piecewise_order_id": 0, "diag_on": False, "diag_weight": 0.0}
 
 
 def _fastpath_guard(module: nn.Module, args: tuple) -> None:
@@ -78,6 +78,11 @@ class LatteParams(nn.Module):
         self.register_buffer("refit_weight", torch.eye(embed_dim))
         self.register_buffer("refit_bias", torch.zeros(embed_dim))
         self.register_buffer("refit_on", torch.tensor(False))
+        # Diagonal term (correction='diag', beyond the paper): o <- o + v_own U^T, each query's own
+        # value (self-attention) mapped by U: the share of the attention row on its own token that
+        # the bounded kernel cannot concentrate. Zero / off unless calibrated so.
+        self.register_buffer("diag_weight", torch.zeros(embed_dim, embed_dim))
+        self.register_buffer("diag_on", torch.tensor(False))
         self.register_buffer("variant_id", torch.tensor(0, dtype=torch.long))
         self.register_buffer("mode_id", torch.tensor(0, dtype=torch.long))
         self.register_buffer("threshold", torch.tensor(int(threshold), dtype=torch.long))
@@ -152,7 +157,7 @@ class LatteParams(nn.Module):
         if prefix + "mode_id" in state_dict:
             for key, value in _LATER_BUFFERS.items():
                 if prefix + key not in state_dict:
-                    state_dict[prefix + key] = torch.tensor(value, dtype=getattr(self, key).dtype)
+                    state_dict[prefix + key] = torch.full_like(getattr(self, key), value)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -200,8 +205,9 @@ class LatteParams(nn.Module):
         ``attn_mask`` (bool, ``True`` = masked, e.g. causal) takes the quadratic masked path.
         """
         variant = self.variant
+        v_own = own_values(q, v)
         if self.kernel == "piecewise":
-            return self.correct(self.piecewise(q, k, v, key_padding_mask, attn_mask))
+            return self.correct(self.piecewise(q, k, v, key_padding_mask, attn_mask), v_own)
         if attn_mask is None and variant in ("latte", "jpn_only"):
             m = self.m.view(-1, 1, 1) if variant == "latte" else 1.0
             rho = torch.exp(self.log_rho).view(-1, 1, 1)
@@ -214,7 +220,7 @@ class LatteParams(nn.Module):
                 o = ops.linear_attention(fq, fk, v, key_padding_mask)
             else:
                 o = ops.naive_linear_attention(fq, fk, v.to(acc), key_padding_mask, attn_mask).to(v.dtype)
-        return self.correct(o)
+        return self.correct(o, v_own)
 
     def piecewise(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
                   attn_mask: Optional[Tensor] = None, q_pool: Optional[Tensor] = None) -> Tensor:
@@ -239,11 +245,14 @@ class LatteParams(nn.Module):
         return ops.PiecewiseSpec(int(self.piecewise_top), float(self.piecewise_gamma), self.piecewise_rest,
                                  int(self.piecewise_block), self.piecewise_order)
 
-    def correct(self, o: Tensor) -> Tensor:
-        """The output correction of linear attention: sigma, then the refit if fitted.
+    def correct(self, o: Tensor, v_own: Optional[Tensor] = None) -> Tensor:
+        """The output correction of linear attention: sigma, then the refit if fitted, plus the
+        diagonal term if fitted and ``v_own`` is given.
 
         Args:
-            o: ``(..., H, N, d_v)``. Returns: the same shape.
+            o: ``(..., H, N, d_v)``. v_own: ``(..., H, N, d_v)``, each query's own value
+                (:func:`own_values`), or ``None`` (not self-attention: no diagonal term).
+        Returns: the same shape as ``o``.
         """
         h, dv = o.shape[-3], o.shape[-1]
         out_dtype = o.dtype
@@ -254,6 +263,9 @@ class LatteParams(nn.Module):
             lead, n = o.shape[:-3], o.shape[-2]
             merged = o.transpose(-3, -2).reshape(-1, h * dv)  # (..., N, H*dv) rows (transpose: exports to ONNX)
             merged = torch.addmm(self.refit_bias.to(o.dtype), merged, self.refit_weight.to(o.dtype).t())
+            if bool(self.diag_on) and v_own is not None:
+                own = v_own.to(o.dtype).transpose(-3, -2).reshape(-1, h * dv)
+                merged = torch.addmm(merged, own, self.diag_weight.to(o.dtype).t())
             o = merged.view(*lead, n, h, dv).transpose(-3, -2)
         return o.to(out_dtype)
 
@@ -296,6 +308,12 @@ class LatteParams(nn.Module):
         kernel = f", piecewise top={int(self.piecewise_top)}" if self.kernel == "piecewise" else ""
         return (f"variant={self.variant}, mode={self.mode}, alpha={self.alpha:.4f}, calibrated={bool(self.calibrated)}, "
                 f"backend={self.backend}{kernel}")
+
+
+def own_values(q: Tensor, v: Tensor) -> Optional[Tensor]:
+    """Each query's own value for the diagonal term: ``v`` ``(..., H, M, d_v)`` itself where the
+    queries are the keys' tokens (self-attention: as many queries as keys), else ``None``."""
+    return v if q.shape[-2] == v.shape[-2] else None
 
 
 def merge_heads(o: Tensor) -> Tensor:
