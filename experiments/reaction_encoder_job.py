@@ -191,11 +191,12 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--results", help="results file (resumed if it exists), e.g. results/reaction_encoder.json")
     a = p.parse_args(argv)
-    from experiments.sweep_defaults import _done, _finish, _load, _record
+    from experiments.sweep_defaults import _done, _finish, _record
+    from latte_plugin.storage import read_json
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    results = _load(a.results)
+    results = read_json(a.results, missing={"entries": []}) if a.results else {"entries": []}
     rxns, enc = reactions(), load_encoder()
     half = max(r["molecule"] for r in rxns) // 2
     pool = [r["smiles"] for r in rxns if r["molecule"] < half]

@@ -319,6 +319,15 @@ def sequence_table() -> str:
         f"calibration {budgets}; test {res['test']}."
 
 
+def _paired(row: list, other: list) -> str:
+    """``mean(row - other) ± SE`` of two per-item score lists on the same items."""
+    import statistics
+
+    from experiments import sweep_report
+
+    return f"{statistics.mean(a - b for a, b in zip(row, other)):+.4f} ± {sweep_report.paired_allowance(row, other, z=1.0):.4f}"
+
+
 def reaction_encoder_table() -> str:
     """experiments/reaction_encoder_job.py: a real pretrained transformer (rxnfp's BERT), the
     sweep's rows per split and budget, with ours against the better of the other two and the
@@ -342,11 +351,13 @@ def reaction_encoder_table() -> str:
         ok = gap >= -2 * se
         if not ok:
             misses.append(f"seed {seed} at {budget}: {gap:+.4f} (2 SE {2 * se:.4f})")
+        diag = by.get((seed, budget, "diag"))  # the opt-in diagonal term, where run
+        diag_cols = [f"{diag['cosine']:.4f}", _paired(diag["cosines"], got["ours"]["cosines"])] if diag else ["-", "-"]
         rows.append([str(budget), str(seed), *(f"{got[r]['cosine']:.4f}" for r in ("paper", "previous", "ours")),
                      got["ours"]["configuration"], ", ".join(got["ours"]["linearized"]),
-                     f"{gap:+.4f} ± {se:.4f}", "yes" if ok else "**no**"])
+                     f"{gap:+.4f} ± {se:.4f}", "yes" if ok else "**no**", *diag_cols])
     head = ["reactions", "split", "paper's protocol", "previous defaults", "ours", "ours chose", "ours: linear layers",
-            "ours - better other (± SE)", "within 2 SE"]
+            "ours - better other (± SE)", "within 2 SE", "diag (opt-in)", "diag - ours (± SE)"]
     d = res["data"]
     commands = "; ".join(f"`{r['command']}` ({r['seconds'] / 60:.0f} min)" if "seconds" in r
                          else f"`{r['command']}` (stopped before the end)" for r in files)
@@ -403,11 +414,23 @@ def sweep_diag_table() -> str:
     return sweep_report.diag_table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
 
 
+def diag_job_table(name: str) -> str:
+    """A main job run with the ``ours:correction=diag`` rows beside the defaults' (``results/diag_<name>.json``):
+    bbox mAP, share kept, linear layers and the encoder's latency ratio against the exact one
+    (best of the job's timed forwards; the calibrating process, not a speed benchmark)."""
+    res = _load(f"diag_{name}.json")
+    rows = [[row, m["linear"], f"{m['bbox_mAP']:.3f}", _num(100 * m["retained"] if m.get("retained") is not None else None, ".1f"),
+             f"{m['encoder_latency_ratio']:.2f}"] for row, m in res["metrics"].items() if row != "linearized"]
+    return (_table(["row", "linear", "bbox mAP", "% kept", "encoder speed-up vs exact (in process)"], rows)
+            + f"\n\n`{res['command']}`.")
+
+
 def sweep_summary() -> str:
-    """The README's line on the held-out sweep (experiments/sweep_report.py)."""
+    """The README's lines on the held-out sweep and the opt-in diagonal term (experiments/sweep_report.py)."""
     from experiments import sweep_report
 
-    return sweep_report.summary(sweep_report.load_entries(RESULTS))
+    entries = sweep_report.load_entries(RESULTS)
+    return "\n".join(x for x in (sweep_report.summary(entries), sweep_report.diag_summary(entries)) if x)
 
 
 def judge_table() -> str:
@@ -445,6 +468,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "sweep_design": lambda: sweep_table("sweep_defaults"),
     "sweep_matched": lambda: sweep_table("sweep_matched"),
     "sweep_diag": sweep_diag_table,
+    "diag_vit_all_blocks": lambda: diag_job_table("vit_all_blocks"),
     "sweep_summary": sweep_summary,
     "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,

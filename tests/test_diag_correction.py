@@ -134,3 +134,28 @@ def test_diag_term_exports_to_onnx_and_matches_onnxruntime(tmp_path):
         for layer in layers.values():  # the term is in the graph: without it the outputs move
             layer.diag_on.fill_(False)
         assert max_abs_diff([model(x)], run_onnx(path, x)) > 1e-3
+
+
+@pytest.mark.parametrize("reg", [1e-3, 1.0])
+def test_diag_ridge_from_sums_matches_a_naive_augmented_least_squares(reg):
+    """The closed form from summed statistics against ridge written as least squares on rows
+    stacked with the penalty's: ``W`` pulled towards the identity, ``U`` towards zero, no bias penalty."""
+    from latte_plugin.calibration.closed_form import correction_mse, correction_weights
+
+    g = torch.Generator().manual_seed(5)
+    c, rows = 6, 80
+    o, own = torch.randn(rows, c, generator=g, dtype=torch.float64), torch.randn(rows, c, generator=g, dtype=torch.float64)
+    y = o @ torch.randn(c, c, generator=g, dtype=torch.float64) + 0.5 * own + 0.1 * torch.randn(rows, c, generator=g,
+                                                                                                  dtype=torch.float64)
+    x = torch.cat([o, torch.ones(rows, 1, dtype=torch.float64), own], 1)
+    sums = {"xtx": x.t() @ x, "xty": x.t() @ y, "yty": (y * y).sum(), "rows": torch.tensor(float(rows))}
+    got = correction_weights("diag", sums, reg)
+    lam = reg * float((o * o).sum(0).mean())
+    pen = torch.diag(torch.tensor([1.0] * c + [0.0] + [1.0] * c, dtype=torch.float64)) * lam ** 0.5
+    target = torch.cat([torch.eye(c, dtype=torch.float64), torch.zeros(c + 1, c, dtype=torch.float64)]) * lam ** 0.5
+    want = torch.linalg.lstsq(torch.cat([x, pen]), torch.cat([y, target])).solution
+    torch.testing.assert_close(got, want, atol=1e-8, rtol=1e-8)
+    mse = float(((x @ got - y) ** 2).mean())
+    assert correction_mse(got, sums) == pytest.approx(mse, rel=1e-9)
+    refit = correction_weights("refit", sums, reg)  # the refit sees only [o, 1]
+    assert refit.shape == (c + 1, c) and correction_mse(refit, sums) > mse

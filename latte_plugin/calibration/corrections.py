@@ -23,6 +23,7 @@ from torch import Tensor
 from .. import ops
 from ..nn.params import LatteParams
 from .config import CORRECTIONS, CROSS_FIT_FOLDS, REFIT_FALLBACK, REFIT_REGS
+from .closed_form import correction_mse, correction_weights, sums_without, total_sums
 from .context import AllReduce, no_reduce
 from .record import RecordedItem, item_position, stack_by_shape, sum_count
 
@@ -237,53 +238,6 @@ def _normal_sums(layer: LatteParams, stacked: list[RecordedItem], all_reduce: Al
     return {"xtx": flat[:n1].view(f, f), "xty": flat[n1:n1 + n2].view(f, c), "yty": flat[-2], "rows": flat[-1]}
 
 
-def _leading(sums: dict[str, Tensor], features: int) -> dict[str, Tensor]:
-    """The sums of the first ``features`` features only."""
-    return {**sums, "xtx": sums["xtx"][:features, :features], "xty": sums["xty"][:features]}
-
-
-def _add_sums(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {k: a[k] + b[k] for k in a}
-
-
-def _correction_mse(w: Tensor, sums: dict[str, Tensor]) -> float:
-    """MSE of ``[x, 1] w`` (or ``[x, 1, v_own] w``) against ``y`` from the sums:
-    ``(tr(w'XtXw) - 2 tr(w'XtY) + YtY) / (rows C)``."""
-    c = w.shape[1]
-    sums = _leading(sums, w.shape[0])
-    sse = (w * (sums["xtx"] @ w)).sum() - 2 * (w * sums["xty"]).sum() + sums["yty"]
-    return float(sse / (sums["rows"] * c)) if float(sums["rows"]) > 0 else float("nan")
-
-
-def _identity_w(c: int, diag: Optional[Tensor] = None) -> Tensor:
-    w = torch.zeros(c + 1, c, dtype=torch.float64)
-    w[:c].diagonal().copy_(torch.ones(c, dtype=torch.float64) if diag is None else diag.double())
-    return w
-
-
-def _sigma_from_sums(sums: dict[str, Tensor]) -> Tensor:
-    c = sums["xty"].shape[1]
-    num, den = sums["xty"][:c].diagonal(), sums["xtx"][:c, :c].diagonal()
-    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.ones_like(num))
-
-
-def _ridge(sums: dict[str, Tensor], reg: float, features: int) -> Tensor:
-    """Ridge refit pulled towards the identity (no refit) on the first ``features`` features:
-    ``(C+1, C)`` weights, or ``(2C+1, C)`` with the diagonal term (pulled towards zero).
-
-    ``min ||X w - y||^2 + lam ||w - w_0||^2`` with ``lam = reg * mean(diag(XtX))`` over ``o``'s
-    block, so ``reg`` is scale-free. The bias row is not penalised.
-    """
-    c = sums["xty"].shape[1]
-    sums = _leading(sums, features)
-    lam = reg * float(sums["xtx"][:c, :c].diagonal().mean().clamp_min(1e-30))
-    pen = torch.ones(features, dtype=torch.float64)
-    pen[c] = 0.0
-    a = sums["xtx"] + lam * torch.diag(pen)
-    b = sums["xty"] + lam * torch.cat([_identity_w(c), torch.zeros(features - c - 1, c, dtype=torch.float64)])
-    return torch.linalg.solve(a + 1e-12 * torch.eye(features, dtype=torch.float64), b)
-
-
 def reset_correction(layer: LatteParams) -> None:
     layer.sigma.fill_(1.0)
     layer.refit_on.fill_(False)
@@ -291,17 +245,6 @@ def reset_correction(layer: LatteParams) -> None:
     layer.refit_bias.zero_()
     layer.diag_on.fill_(False)
     layer.diag_weight.zero_()
-
-
-def correction_weights(kind: str, fit_sums: dict[str, Tensor], reg: Optional[float] = None) -> Tensor:
-    """``(C+1, C)`` weights of an output correction fitted on ``fit_sums`` only (row ``C``: bias),
-    ``(2C+1, C)`` for ``diag`` (rows ``C+1..2C``: the diagonal term)."""
-    c = fit_sums["xty"].shape[1]
-    if kind == "none":
-        return _identity_w(c)
-    if kind == "sigma":
-        return _identity_w(c, _sigma_from_sums(fit_sums))
-    return _ridge(fit_sums, float(reg), 2 * c + 1 if kind == "diag" else c + 1)
 
 
 def apply_correction(layer: LatteParams, kind: str, w: Tensor) -> None:
@@ -348,17 +291,6 @@ def assign_folds(positions: Iterable[int], folds: int = CROSS_FIT_FOLDS) -> dict
     return {p: i % folds for i, p in enumerate(sorted(set(int(p) for p in positions)))}
 
 
-def _total(sums: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    total = sums[0]
-    for extra in sums[1:]:
-        total = _add_sums(total, extra)
-    return total
-
-
-def _without(total: dict[str, Tensor], part: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {k: total[k] - part[k] for k in total}
-
-
 def rule_candidates(rule: str, refit_regs: tuple) -> dict[str, tuple[str, Optional[float]]]:
     """A correction rule's candidates ``{name: (kind, strength)}``: one for ``none`` and ``sigma``,
     each strength for ``refit``, all of them for ``auto`` (the paper's sigma first: it wins ties)."""
@@ -383,7 +315,7 @@ class FoldSums:
 
     def __init__(self, parts: list[dict[str, Tensor]]) -> None:
         self.parts = parts
-        self.total = _total(parts)
+        self.total = total_sums(parts)
         self._bases: dict[frozenset, dict[str, Tensor]] = {frozenset(): self.total}
         self._weights: dict[tuple, Tensor] = {}
 
@@ -392,9 +324,9 @@ class FoldSums:
         key = (left_out, fold, kind, reg)
         if key not in self._weights:
             if left_out not in self._bases:
-                self._bases[left_out] = _total([p for g, p in enumerate(self.parts) if g not in left_out])
+                self._bases[left_out] = total_sums([p for g, p in enumerate(self.parts) if g not in left_out])
             base = self._bases[left_out]
-            self._weights[key] = correction_weights(kind, base if fold is None else _without(base, self.parts[fold]), reg)
+            self._weights[key] = correction_weights(kind, base if fold is None else sums_without(base, self.parts[fold]), reg)
         return self._weights[key]
 
 
@@ -410,7 +342,7 @@ def cv_choice(cands: dict[str, tuple[str, Optional[float]]], sums: FoldSums,
     rows = sum(float(sums.parts[f]["rows"]) for f in used)
     errs: dict[str, float] = {}
     for name, (kind, reg) in cands.items():
-        sse = sum(_correction_mse(sums.weights(left_out, f, kind, reg), sums.parts[f]) * float(sums.parts[f]["rows"])
+        sse = sum(correction_mse(sums.weights(left_out, f, kind, reg), sums.parts[f]) * float(sums.parts[f]["rows"])
                   for f in used)
         err = sse / rows
         errs[name] = err if math.isfinite(err) else math.inf
@@ -468,4 +400,4 @@ def _report_errors(layer: LatteParams, sums: dict[str, Tensor], report: list[Rec
                    all_reduce: AllReduce, cands: dict[str, tuple[str, Optional[float]]]) -> dict[str, float]:
     """Each candidate correction's MSE on the report items (fitted on ``sums``, never on them)."""
     report_sums = _normal_sums(layer, stack_by_shape(report), all_reduce)
-    return {name: _correction_mse(correction_weights(kind, sums, reg), report_sums) for name, (kind, reg) in cands.items()}
+    return {name: correction_mse(correction_weights(kind, sums, reg), report_sums) for name, (kind, reg) in cands.items()}
