@@ -20,7 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"cond_detr": ("configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py", "checkpoints/cond_detr_r18_synthetic.pth"),
           "rtdetr": ("configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py", "checkpoints/rtdetr_r18_synthetic.pth")}
 SETTINGS = {"defaults": {}, "earlier rule": {"reference": "paper"}, "previous defaults": {"selection": "greedy", "correction": "refit", "compensate": "never",
-                                                  "holdout": 0.25}}
+                                                  "holdout": 0.25},
+            # the defaults with the opt-in diagonal term (docs/method.md#diag)
+            "defaults, correction='diag'": {"correction": "diag"}}
 
 _CHILD = """
 import dataclasses, json, os, sys, time

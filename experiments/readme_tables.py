@@ -164,14 +164,18 @@ def defaults_cost_table() -> str:
     """benchmarks/defaults_cost.py: calibration time of the defaults (and the earlier rule, where
     measured) against the previous defaults."""
     res = _load("defaults_cost.json")
-    settings = [s for s in ("defaults", "earlier rule", "previous defaults") if any(r["setting"] == s for r in res["rows"])]
+    settings = [s for s in ("defaults", "earlier rule", "previous defaults", "defaults, correction='diag'")
+                if any(r["setting"] == s for r in res["rows"])]
     rows = []
     for model in dict.fromkeys(r["model"] for r in res["rows"]):
         secs = {s: [r["seconds"] for r in res["rows"] if r["model"] == model and r["setting"] == s] for s in settings}
         mean = {s: sum(v) / len(v) for s, v in secs.items()}
+        diag = "defaults, correction='diag'"
         rows.append([model, str(res["rows"][0]["num_images"])] + [f"{mean[s]:.0f} s" for s in settings]
-                    + [f"{mean['defaults'] / mean['previous defaults']:.2f}x"])
-    return (_table(["model", "calibration images"] + settings + ["defaults / previous"], rows)
+                    + [f"{mean['defaults'] / mean['previous defaults']:.2f}x"]
+                    + ([f"{mean[diag] / mean['previous defaults']:.2f}x"] if diag in mean else []))
+    tail = ["correction='diag' / previous"] if any(r["setting"] == "defaults, correction='diag'" for r in res["rows"]) else []
+    return (_table(["model", "calibration images"] + settings + ["defaults / previous"] + tail, rows)
             + f"\n\n`{res['command']}` (each calibration in a fresh process, one after the other, "
               f"OMP_NUM_THREADS={res['threads']}; calibration only, no evaluation).")
 
@@ -469,6 +473,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "sweep_matched": lambda: sweep_table("sweep_matched"),
     "sweep_diag": sweep_diag_table,
     "diag_vit_all_blocks": lambda: diag_job_table("vit_all_blocks"),
+    "diag_cond_detr_pilot_latency": lambda: diag_job_table("cond_detr_pilot_latency"),
     "sweep_summary": sweep_summary,
     "sequence": sequence_table,
     "onnx_parity": onnx_parity_table,

@@ -8,7 +8,7 @@ the file decides which framework runs it.
         [--cfg-options k=v ...] [--<any LatteConfig field> VALUE ...]
 
 Every ``LatteConfig`` field is a flag (``--num-images 32``, ``--ratio 0.83 | --num-linear K``,
-``--correction none|sigma|refit``, ``--selection``, ``--per-head/--no-per-head``, ...), built
+``--correction none|sigma|refit|diag``, ``--selection``, ``--per-head/--no-per-head``, ...), built
 from the dataclass and its fields' metadata: ``--help`` lists them with their defaults.
 
 Writes ``WORK_DIR/latte_calibrated.pth`` (tensors and plain types only: it loads with
