@@ -164,18 +164,17 @@ def defaults_cost_table() -> str:
     """benchmarks/defaults_cost.py: calibration time of the defaults (and the earlier rule, where
     measured) against the previous defaults."""
     res = _load("defaults_cost.json")
-    settings = [s for s in ("defaults", "earlier rule", "previous defaults", "defaults, correction='diag'")
-                if any(r["setting"] == s for r in res["rows"])]
+    diag = "defaults, correction='diag'"
+    settings = [s for s in ("defaults", "earlier rule", "previous defaults", diag) if any(r["setting"] == s for r in res["rows"])]
+    ratios = [s for s in ("defaults", diag) if s in settings]  # each against the previous defaults
     rows = []
     for model in dict.fromkeys(r["model"] for r in res["rows"]):
         secs = {s: [r["seconds"] for r in res["rows"] if r["model"] == model and r["setting"] == s] for s in settings}
         mean = {s: sum(v) / len(v) for s, v in secs.items()}
-        diag = "defaults, correction='diag'"
         rows.append([model, str(res["rows"][0]["num_images"])] + [f"{mean[s]:.0f} s" for s in settings]
-                    + [f"{mean['defaults'] / mean['previous defaults']:.2f}x"]
-                    + ([f"{mean[diag] / mean['previous defaults']:.2f}x"] if diag in mean else []))
-    tail = ["correction='diag' / previous"] if any(r["setting"] == "defaults, correction='diag'" for r in res["rows"]) else []
-    return (_table(["model", "calibration images"] + settings + ["defaults / previous"] + tail, rows)
+                    + [f"{mean[s] / mean['previous defaults']:.2f}x" for s in ratios])
+    heads = {"defaults": "defaults / previous", diag: "correction='diag' / previous"}
+    return (_table(["model", "calibration images"] + settings + [heads[s] for s in ratios], rows)
             + f"\n\n`{res['command']}` (each calibration in a fresh process, one after the other, "
               f"OMP_NUM_THREADS={res['threads']}; calibration only, no evaluation).")
 

@@ -19,9 +19,9 @@ from latte_plugin.calibration.select import SensitivityStats, backward_select, g
 from tests.toy import ToyEncoder, toy_batches
 
 
-def _record(model, batches, name):
+def _record(model, batches, name, own_values=False):
     layer = find_latte_layers(model)[name]
-    rec = LayerRecorder(name, max_items=64, max_queries=32, seed=0)
+    rec = LayerRecorder(name, max_items=64, max_queries=32, seed=0, own_values=own_values)
     with torch.no_grad(), exact_taps({name: layer}, {name: rec}):
         for b in batches:
             model(b)

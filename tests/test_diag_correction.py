@@ -64,8 +64,9 @@ def test_diag_fit_recovers_a_planted_own_value_term():
     diagonal rule finds it (cross-fitted error near zero), the refit cannot."""
     model = ToyEncoder().eval()
     swap_mha(model, ["layers.*.attn"])
-    layer, rec = _record(model, toy_batches(n=4), "layers.2.attn")
+    layer, rec = _record(model, toy_batches(n=4), "layers.2.attn", own_values=True)
     assert all(it.v_own is not None and it.v_own.shape == it.q.shape for it in rec.items)
+    assert all(it.v_own is None for it in _record(model, toy_batches(n=1), "layers.2.attn")[1].items)  # not asked for
     c, h = layer.embed_dim, layer.num_heads
     planted = 0.5 * torch.randn(c, c, generator=torch.Generator().manual_seed(1))
     layer.m.fill_(0.7)  # the kernel scalars, kept from here on (only the correction is fitted)

@@ -213,13 +213,15 @@ def _rows(o: Tensor) -> Tensor:
     return o.permute(0, 2, 1, 3).reshape(g * n, h * dv)
 
 
-def _normal_sums(layer: LatteParams, stacked: list[RecordedItem], all_reduce: AllReduce) -> dict[str, Tensor]:
+def _normal_sums(layer: LatteParams, stacked: list[RecordedItem], all_reduce: AllReduce,
+                 own: bool = False) -> dict[str, Tensor]:
     """Sufficient statistics of the output corrections, summed across ranks (float64): ``xtx``
-    ``(2C+1, 2C+1)`` and ``xty`` ``(2C+1, C)`` of the features ``[o, 1, v_own]`` (``v_own`` zero
-    where an item has none: its diagonal weights then shrink to zero), ``yty`` and ``rows``.
-    The first ``C+1`` features are what ``none``, ``sigma`` and ``refit`` see (:func:`_leading`)."""
+    ``(F, F)`` and ``xty`` ``(F, C)`` of the features ``[o, 1]`` (``F = C+1``), with ``own`` of
+    ``[o, 1, v_own]`` (``F = 2C+1``; ``v_own`` zero where an item has none: its diagonal weights
+    then shrink to zero), ``yty`` and ``rows``. The first ``C+1`` features are what ``none``,
+    ``sigma`` and ``refit`` see (``closed_form.leading``)."""
     c = layer.embed_dim
-    f = 2 * c + 1
+    f = 2 * c + 1 if own else c + 1
     xtx = torch.zeros(f, f, dtype=torch.float64)
     xty = torch.zeros(f, c, dtype=torch.float64)
     rest = torch.zeros(2, dtype=torch.float64)
@@ -227,8 +229,10 @@ def _normal_sums(layer: LatteParams, stacked: list[RecordedItem], all_reduce: Al
         for it in stacked:
             x = _rows(linear_outputs(layer, it, layer.m.double(), layer.log_rho.double()).double())
             y = _rows(it.target.double())
-            own = torch.zeros_like(x) if it.v_own is None else _rows(it.v_own.double())
-            x1 = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype), own], dim=1)
+            parts = [x, torch.ones(x.shape[0], 1, dtype=x.dtype)]
+            if own:
+                parts.append(torch.zeros_like(x) if it.v_own is None else _rows(it.v_own.double()))
+            x1 = torch.cat(parts, dim=1)
             xtx += x1.t() @ x1
             xty += x1.t() @ y
             rest[0] += (y * y).sum()
@@ -380,7 +384,8 @@ def fit_correction(layer: LatteParams, records: LayerRecords, opts: FitOptions) 
     reset_correction(layer)
     folds = max(fold_of.values()) + 1 if fold_of else CROSS_FIT_FOLDS
     parts = partition(items + list(records.choose), folds, fold_of)
-    sums = FoldSums([_normal_sums(layer, stack_by_shape(p), all_reduce) for p in parts])
+    own = "diag" in (correction, *opts.rules)  # only the diagonal term needs the own values' sums
+    sums = FoldSums([_normal_sums(layer, stack_by_shape(p), all_reduce, own) for p in parts])
     fitted = {r: fit_rule(r, sums, refit_regs) for r in dict.fromkeys([correction, *opts.rules])}
     mine = fitted[correction]
     apply_correction(layer, mine.kind, mine.weights)
@@ -388,7 +393,7 @@ def fit_correction(layer: LatteParams, records: LayerRecords, opts: FitOptions) 
     cands = rule_candidates(correction, refit_regs) if correction in ("auto", "refit", "diag") else {
         c: (c, REFIT_FALLBACK if c == "refit" else None) for c in ("none", "sigma", "refit")}
     has_report = float(all_reduce(torch.tensor([float(len(report))], dtype=torch.float64))[0]) > 0
-    heldout = _report_errors(layer, sums.total, report, all_reduce, cands) if has_report else {}
+    heldout = _report_errors(layer, sums.total, report, all_reduce, cands, own) if has_report else {}
     final = reconstruction_error(layer, items, all_reduce)
     return FitResult(initial_mse=final, final_mse=final, alpha_init=float(layer.alpha),
                      heldout_mse=heldout.get(mine.name, heldout.get(mine.kind)),
@@ -397,7 +402,7 @@ def fit_correction(layer: LatteParams, records: LayerRecords, opts: FitOptions) 
 
 
 def _report_errors(layer: LatteParams, sums: dict[str, Tensor], report: list[RecordedItem],
-                   all_reduce: AllReduce, cands: dict[str, tuple[str, Optional[float]]]) -> dict[str, float]:
+                   all_reduce: AllReduce, cands: dict[str, tuple[str, Optional[float]]], own: bool) -> dict[str, float]:
     """Each candidate correction's MSE on the report items (fitted on ``sums``, never on them)."""
-    report_sums = _normal_sums(layer, stack_by_shape(report), all_reduce)
+    report_sums = _normal_sums(layer, stack_by_shape(report), all_reduce, own)
     return {name: correction_mse(correction_weights(kind, sums, reg), report_sums) for name, (kind, reg) in cands.items()}

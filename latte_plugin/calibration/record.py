@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..nn.params import own_values
 from ..ops.piecewise import pooled_queries
 from .context import ROLES, AllReduce, CalibrationRun
 from .taps import exact_taps
@@ -102,6 +103,9 @@ class LayerRecorder:
     #: (:attr:`RecordedItem.q_pool`, for the piecewise kernel)
     pool_block: int = 0
     pool_order: str = "tokens"
+    #: also record each sampled query's own value where the layer is self-attention
+    #: (:attr:`RecordedItem.v_own`, for ``correction='diag'``)
+    own_values: bool = False
     calls: int = 0
     #: called again within one forward (the same ``batch_key``): such a layer cannot stop early
     repeated: bool = False
@@ -142,7 +146,9 @@ class LayerRecorder:
         idx = torch.randperm(n, generator=gen)[: self.max_queries].sort().values if n > self.max_queries \
             else torch.arange(n)
         kb, vb, mask = k[b], v[b], None
-        v_own = v[b][:, idx.to(q.device)].detach().float().cpu() if n == v.shape[2] else None
+        v_own = None
+        if self.own_values and own_values(q, v) is not None:
+            v_own = v[b][:, idx.to(q.device)].detach().float().cpu()
         if attn_mask is not None:
             mask = attn_mask[b if attn_mask.shape[0] > 1 else 0, :1].expand(1, n, k.shape[2])[:, idx.to(q.device)]
         if key_padding_mask is not None:
@@ -267,7 +273,7 @@ def record_layers(run: CalibrationRun, group: list[str], desc: str) -> dict[str,
     cfg, layers = run.cfg, run.layers
     pool = cfg.piecewise_block if cfg.kernel != "latte" or cfg.for_speed else 0
     recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed, pool_block=pool,
-                                    pool_order=cfg.piecewise_order) for n in group}
+                                    pool_order=cfg.piecewise_order, own_values=cfg.correction == "diag") for n in group}
             for role in ROLES}
     stop = len(group) == 1 and group[0] in run.caches.runs_once
     forwards = 0
