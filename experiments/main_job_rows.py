@@ -16,7 +16,7 @@ import torch
 from mmengine.logging import print_log
 
 from latte_plugin.console import say, set_label
-from latte_plugin.calibration.config import LatteConfig
+from latte_plugin.calibration.config import PREVIOUS_CORRECTION_RULES, LatteConfig
 from latte_plugin.calibration.front import SpeedupUnreachable
 from latte_plugin.ops.flops import attention_gflops
 from latte_plugin.nn.install import find_latte_layers, set_modes
@@ -92,9 +92,13 @@ ROWS = [
     # the searches compare outputs with the query slots matched by box (not a default)
     Row("ours:search=matched", {"search": "matched"}),
     Row("ours:search=matched@83%", {"search": "matched", "ratio": 0.83, "num_linear": None}),
-    # the output correction with a linear term in each query's own value (docs/method.md#diag; not a default)
+    # the output correction with a linear term in each query's own value, for every configuration
+    # (docs/method.md#diag; the defaults judge it as one more rule)
     Row("ours:correction=diag", {"correction": "diag"}),
     Row("ours:correction=diag@83%", {"correction": "diag", "ratio": 0.83, "num_linear": None}),
+    # the defaults before diag joined the correction rules (the sweep's "confirmed" rows up to then)
+    Row("ours:rules=previous", {"correction_rules": PREVIOUS_CORRECTION_RULES}),
+    Row("ours:rules=previous@83%", {"correction_rules": PREVIOUS_CORRECTION_RULES, "ratio": 0.83, "num_linear": None}),
 ]
 #: The row whose calibrated checkpoint the main job saves and reports at the top level: the
 #: package defaults (LatteConfig).

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from ..ops import BACKENDS, ORDERS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
 __all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES", "SEARCHES",
-           "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
+           "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "PREVIOUS_CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
            "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "EVIDENCE_SELECTIONS", "EVIDENCE_REFERENCE", "REFERENCES", "FINAL_SETS", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
            "PIECEWISE_SLACK", "num_linear_layers"]
 
@@ -54,11 +54,16 @@ REFIT_REGS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 REFIT_FALLBACK = 0.01
 #: Output corrections: none, the paper's per-channel sigma, the ridge refit of the whole output,
 #: or ``auto``: the one of these (refit at each strength) with the lowest cross-fitted error; or
-#: ``diag`` (opt-in): the refit plus a linear term in each query's own value (self-attention).
+#: ``diag``: the refit plus a linear term in each query's own value (self-attention).
 CORRECTIONS = ("none", "sigma", "refit", "auto", "diag")
 #: The correction rules whole configurations compare under ``correction='auto'`` (the paper's sigma
-#: first: the reference the others must beat).
-CORRECTION_RULES = ("sigma", "refit", "auto")
+#: first). ``diag`` joined them after the design calibrations' judge losses (docs/method.md#diag):
+#: it is judged on the set the search found under ``auto``, like every other rule, and taken only
+#: where it beats the reference by more than its noise.
+CORRECTION_RULES = ("sigma", "refit", "auto", "diag")
+#: The rules before ``diag`` joined them (``correction_rules=PREVIOUS_CORRECTION_RULES``: the defaults of 0.x
+#: up to that change, and a cheaper calibration).
+PREVIOUS_CORRECTION_RULES = ("sigma", "refit", "auto")
 #: Folds of the cross-fitting behind ``correction='auto'``.
 CROSS_FIT_FOLDS = 4
 
@@ -137,8 +142,12 @@ class LatteConfig:
     lr: float = _opt(1.0, "L-BFGS step scale")
     correction: str = _opt("auto", "output correction of each linear layer: none, sigma (the paper), refit "
                                    "(ridge refit of the whole output), auto (per layer, the candidate with the "
-                                   "lowest cross-fitted error), or diag (opt-in: the refit plus a linear term in "
-                                   "each query's own value, in self-attention)", CORRECTIONS)
+                                   "lowest cross-fitted error; with the default correction='auto', also the "
+                                   "rule each whole configuration is judged under), or diag (the refit plus a "
+                                   "linear term in each query's own value, in self-attention)", CORRECTIONS)
+    correction_rules: Sequence[str] = _opt(CORRECTION_RULES, "the correction rules that correction='auto' judges "
+                                                             "whole configurations under (each of none, sigma, "
+                                                             "refit, auto, diag; the reference's rule among them)")
     refit_reg: Sequence[float] = _opt(REFIT_REGS, "candidate ridge strengths of the refit, relative to the input "
                                                   "energy (chosen on held-out images)")
     holdout: float = _opt(0.0, "fraction of calibration images held out, in [0, 1): half of them choose the "
@@ -238,6 +247,8 @@ class LatteConfig:
             object.__setattr__(self, "candidates", (self.candidates,))
         object.__setattr__(self, "candidates", tuple(self.candidates))
         object.__setattr__(self, "refit_reg", tuple(self.refit_reg))
+        rules = self.correction_rules
+        object.__setattr__(self, "correction_rules", (rules,) if isinstance(rules, str) else tuple(rules))
         object.__setattr__(self, "input_size", _input_size(self.input_size))
         self.validate()
 
@@ -259,6 +270,9 @@ class LatteConfig:
             raise ValueError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
+        bad = [r for r in self.correction_rules if r not in CORRECTIONS]
+        if bad or not self.correction_rules:
+            raise ValueError(f"correction_rules {list(self.correction_rules)!r}: give one or more of {', '.join(CORRECTIONS)}")
         if self.target is not None and not 0.0 < float(self.target) < 1.0:
             raise ValueError(f"target (a fidelity loss budget, e.g. 0.05 keeps 95%) must be in (0, 1), got {self.target}")
         if self.speedup is not None and not (math.isfinite(float(self.speedup)) and float(self.speedup) >= 1.0):

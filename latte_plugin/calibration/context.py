@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 from torch import Tensor
 
 from ..nn.params import LatteParams
-from .config import AUTO_SELECTIONS, CORRECTION_RULES, EVIDENCE_REFERENCE, EVIDENCE_SELECTIONS, LatteConfig
+from .config import AUTO_SELECTIONS, EVIDENCE_REFERENCE, EVIDENCE_SELECTIONS, LatteConfig
 
 __all__ = ["AllReduce", "no_reduce", "Progress", "no_progress", "Measure", "Host", "ROLES", "CalibrationSplit",
            "RunCaches", "CalibrationRun"]
@@ -161,7 +161,7 @@ class CalibrationRun:
     @property
     def rules(self) -> tuple:
         """The correction rules whole configurations compare (the user's, or all with ``auto``)."""
-        return CORRECTION_RULES if self.cfg.correction == "auto" else (self.cfg.correction,)
+        return tuple(self.cfg.correction_rules) if self.cfg.correction == "auto" else (self.cfg.correction,)
 
     @property
     def methods(self) -> tuple:

@@ -273,7 +273,7 @@ def record_layers(run: CalibrationRun, group: list[str], desc: str) -> dict[str,
     cfg, layers = run.cfg, run.layers
     pool = cfg.piecewise_block if cfg.kernel != "latte" or cfg.for_speed else 0
     recs = {role: {n: LayerRecorder(n, cfg.max_items, cfg.max_queries, cfg.seed, pool_block=pool,
-                                    pool_order=cfg.piecewise_order, own_values=cfg.correction == "diag") for n in group}
+                                    pool_order=cfg.piecewise_order, own_values="diag" in run.rules) for n in group}
             for role in ROLES}
     stop = len(group) == 1 and group[0] in run.caches.runs_once
     forwards = 0
