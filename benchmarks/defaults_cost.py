@@ -4,9 +4,11 @@ models, the same 32 calibration images, each setting in a fresh process, run one
 
     python -m benchmarks.defaults_cost [--num-images 32] [--repeats 1] [--json results/defaults_cost.json]
 
-Rows: the package defaults, the earlier choice rule (``reference='paper'``: nine candidates,
-the backward search among them) and the previous defaults (greedy + refit, no compensation, a
-quarter of the images held out). Only the calibration is timed (no evaluation).
+Rows: the package defaults, the defaults before ``diag`` joined the correction rules
+(``correction_rules=PREVIOUS_CORRECTION_RULES``), the earlier choice rule (``reference='paper'``: the
+backward search among the candidates), the previous defaults (greedy + refit, no compensation, a
+quarter of the images held out) and ``correction='diag'`` for every configuration. Only the
+calibration is timed (no evaluation).
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ import os
 import subprocess
 import sys
 
+from latte_plugin.calibration.config import PREVIOUS_CORRECTION_RULES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"cond_detr": ("configs/mmdet/embedded/cond_detr_r18_synthetic_latte.py", "checkpoints/cond_detr_r18_synthetic.pth"),
           "rtdetr": ("configs/mmdet/embedded/rtdetr_r18_synthetic_latte.py", "checkpoints/rtdetr_r18_synthetic.pth")}
 SETTINGS = {"defaults": {}, "earlier rule": {"reference": "paper"}, "previous defaults": {"selection": "greedy", "correction": "refit", "compensate": "never",
                                                   "holdout": 0.25},
-            # the defaults with the opt-in diagonal term (docs/method.md#diag)
-            "defaults, correction='diag'": {"correction": "diag"}}
+            # the defaults with the diagonal term in every configuration (docs/method.md#diag)
+            "defaults, correction='diag'": {"correction": "diag"},
+            "defaults before diag joined the rules": {"correction_rules": PREVIOUS_CORRECTION_RULES}}
 
 _CHILD = """
 import dataclasses, json, os, sys, time

@@ -2,7 +2,7 @@
 """Which configuration is the noise rule's reference: the evidence behind
 ``latte_plugin.calibration.config.EVIDENCE_REFERENCE`` and ``EVIDENCE_SELECTIONS``.
 
-    python -m experiments.reference_evidence [--json results/reference_evidence.json]
+    python -m experiments.reference_evidence [--pattern 'results/sweep_defaults_*.json'] [--json results/reference_evidence.json]
 
 Reads only the cross-fitted judge losses that every calibration of the design sweep
 (``results/sweep_defaults_*.json``, seeds 202-606, both 256 px detectors, 8-64 images, 67% and
@@ -10,6 +10,8 @@ Reads only the cross-fitted judge losses that every calibration of the design sw
 (selection + correction rule): its mean and worst log ratio to the calibration's best loss, how
 often it was the best (ties to every tied pair), and how often the backward search's loss
 equalled the greedy search's under the same rule (then the backward search adds nothing but cost).
+``--pattern 'results/design_rules_diag.json'`` reads the same design splits calibrated again by the
+defaults once ``diag`` joined the correction rules (``results/reference_evidence_diag.json``).
 """
 from __future__ import annotations
 
@@ -54,11 +56,17 @@ def summary(runs: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pattern", default="results/sweep_defaults_*.json",
+                   help="the design calibrations' results files (a glob under the repository root)")
     p.add_argument("--json", help="write the summary here (e.g. results/reference_evidence.json)")
     a = p.parse_args(argv)
-    out = summary(calibrations())
+    runs = calibrations(a.pattern)
+    if not runs:
+        raise SystemExit(f"no design calibration with judge losses in {a.pattern}: run experiments.sweep_defaults first")
+    out = summary(runs)
     out["reference"] = next(iter(out["pairs"]))
-    out["command"] = "python -m experiments.reference_evidence" + (f" --json {a.json}" if a.json else "")
+    pattern = "" if a.pattern == p.get_default("pattern") else f" --pattern '{a.pattern}'"
+    out["command"] = "python -m experiments.reference_evidence" + pattern + (f" --json {a.json}" if a.json else "")
     for name, row in out["pairs"].items():
         print(f"{name:18s} mean log ratio to the best {row['mean_log_ratio']:.3f}, worst {row['worst_log_ratio']:.3f}, "
               f"best in {row['best_count']}/{out['calibrations']}")

@@ -180,16 +180,17 @@ def sweep_detector(model: str, seed: int, budgets: list, results: dict, path: st
                                 **_choice(reports.get(row.name, {}))})
 
 
-def sweep_sequence(seed: int, budgets: list, results: dict, path: str, extra: tuple = ()) -> None:
-    """The sequence model's rows (``SEQUENCE_ROWS`` and ``extra``, of ``SEQUENCE_EXTRA``) at each budget,
-    calibrated on ``seed``'s sequences."""
+def sweep_sequence(seed: int, budgets: list, results: dict, path: str, extra: tuple = (),
+                   rows: tuple = SEQUENCE_ROWS) -> None:
+    """The sequence model's ``rows`` (of ``SEQUENCE_ROWS``) and ``extra`` (of ``SEQUENCE_EXTRA``) at each
+    budget, calibrated on ``seed``'s sequences."""
     import torch
 
     from experiments import sequence_job as job
     from experiments import sequence_task as task
     from latte_plugin.data.sequence import RetrievalSpec, retrieval_batch
 
-    todo = [(b, r) for b in budgets for r in (*SEQUENCE_ROWS, *extra)
+    todo = [(b, r) for b in budgets for r in dict.fromkeys((*rows, *extra))
             if not _done(results, model="sequence", seed=seed, budget=b, row=r)]
     if not todo:
         return
@@ -217,6 +218,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sequence-budgets", type=int, nargs="*", default=[8, 128])
     p.add_argument("--rows", nargs="+", default=list(DETECTOR_ROWS), choices=list(ALL_ROWS),
                    help="detector rows to run")
+    p.add_argument("--sequence-rows", nargs="+", default=list(SEQUENCE_ROWS), choices=[*SEQUENCE_ROWS, *SEQUENCE_EXTRA],
+                   help="the sequence model's rows (those of --rows it has run too)")
     p.add_argument("--results", help="results file (resumed if it exists), e.g. results/sweep_defaults.json")
     a = p.parse_args(argv)
     from latte_plugin.console import quiet
@@ -230,7 +233,8 @@ def main(argv=None) -> dict:
     results.update(command=command, commands=[*commands, command], split=SPLIT, splits=SPLITS, rows=rows)
     for seed in a.seeds:
         if a.sequence_budgets:
-            sweep_sequence(seed, a.sequence_budgets, results, a.results, tuple(r for r in a.rows if r in SEQUENCE_EXTRA))
+            sweep_sequence(seed, a.sequence_budgets, results, a.results, tuple(r for r in a.rows if r in SEQUENCE_EXTRA),
+                           tuple(a.sequence_rows))
         for model in (m for m in a.models if m != "none"):
             with quiet(os.path.join(ROOT, "work_dirs", "sweep", "sweep.log")):
                 sweep_detector(model, seed, a.budgets, results, a.results, tuple(a.rows))

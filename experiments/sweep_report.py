@@ -29,7 +29,8 @@ MODELS = (("cond_detr", "Conditional DETR"), ("rtdetr", "RT-DETR"), ("vit", "DEI
           ("sequence", "sequence model"))
 ROWS = (("paper", "paper's protocol"), ("previous", "previous defaults"), ("earlier", "earlier rule"), ("ours", "ours"),
         ("confirmed", "ours, final set confirmed"), ("pooled", "ours, final set pooled (opt-in)"),
-        ("per_head", "ours, per-head scalars (opt-in)"), ("matched", "ours, search matched by box (opt-in)"))
+        ("per_head", "ours, per-head scalars (opt-in)"), ("matched", "ours, search matched by box (opt-in)"),
+        ("rules_previous", "defaults before diag joined the rules"))
 #: the rows judged against the better of the paper's protocol and the previous defaults: ``ours``
 #: (``final_set='search'``, the defaults the rule's sweep was run for), ``confirmed`` (the
 #: package defaults since the final set is confirmed on unsearched images) and ``pooled``
@@ -40,7 +41,7 @@ JUDGED = ("ours", "confirmed", "pooled", "matched")
 #: misses (docs/results.md#sweep), so a count of its cells would not estimate anything
 SUMMARY_ROWS = ("ours", "confirmed")
 #: the rows at 83% linear, each named after its row at 67% (run at 32 images)
-AT_83 = ("ours@83%", "earlier@83%", "confirmed@83%", "pooled@83%", "per_head@83%", "matched@83%")
+AT_83 = ("ours@83%", "earlier@83%", "confirmed@83%", "pooled@83%", "per_head@83%", "matched@83%", "rules_previous@83%")
 #: the sweep the README reads: the current rule's, on splits no choice has seen
 FILES = "sweep_rule"
 

@@ -11,7 +11,7 @@ from latte_plugin.cli import calibrate as tool
 #: a command-line value different from the default, per field
 VALUES = {"candidates": ["a.*.attn", "b.attn"], "ratio": "0.5", "num_linear": "3", "variant": "qtvit",
           "num_images": "7", "max_items": "9", "max_queries": "11", "steps": "3", "lr": "0.5", "correction": "sigma",
-          "refit_reg": ["0.5", "2"], "holdout": "0.5", "per_head": None, "signal": "--no-signal", "sequential": None, "compensate": "never", "judge": "detections", "search": "matched", "selection": "score",
+          "refit_reg": ["0.5", "2"], "correction_rules": ["sigma", "diag"], "holdout": "0.5", "per_head": None, "signal": "--no-signal", "sequential": None, "compensate": "never", "judge": "detections", "search": "matched", "selection": "score",
           "lam": "2.5", "greedy_images": "4", "final_set": "search", "mode": "dynamic", "threshold": "64", "seed": "5", "target": "0.01", "backend": "eager",
           "kernel": "piecewise", "piecewise_top": "2", "piecewise_block": "32", "piecewise_order": "tokens",
           "piecewise_rest": "blockmean", "speedup": "1.2", "cost_model": "cost.json", "reference": "paper",

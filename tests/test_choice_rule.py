@@ -98,6 +98,8 @@ def _run(**settings) -> CalibrationRun:
     ({"selection": "score"}, "score+refit"),
     ({"selection": "backward", "correction": "auto"}, "backward+refit"),
     ({"reference": "paper"}, "score+sigma"),
+    ({"correction_rules": ("sigma", "refit", "auto")}, "greedy+refit"),  # the defaults before diag joined
+    ({"correction_rules": ("sigma", "auto")}, "greedy+sigma"),
 ])
 def test_the_reference_follows_the_settings(settings, reference):
     run = _run(**settings)
@@ -120,8 +122,10 @@ def test_compensation_is_kept_only_on_a_clear_gain():
 
 @torch.no_grad()
 def test_reference_paper_is_the_earlier_rule_end_to_end():
-    """``reference='paper'`` (the sweep's ``earlier`` row): nine pairs, ``score+sigma`` as reference,
-    the plain error; the default: six pairs, ``greedy+refit``, the moderated error."""
+    """``reference='paper'`` (the sweep's ``earlier`` row): three selections by each correction rule,
+    ``score+sigma`` as reference, the plain error; the default: two selections by each rule,
+    ``greedy+refit``, the moderated error."""
+    from latte_plugin.calibration.config import CORRECTION_RULES
     from latte_plugin.calibration.flow import calibrate_model
     from latte_plugin.nn.mha import swap_mha
     from tests.toy import ToyEncoder, toy_batches
@@ -135,7 +139,9 @@ def test_reference_paper_is_the_earlier_rule_end_to_end():
         return rep["selection"]["comparison"]
 
     earlier = comparison(reference="paper")
-    assert earlier["reference"] == "score+sigma" and earlier["noise"] == "plain" and len(earlier["losses"]) == 9
+    assert earlier["reference"] == "score+sigma" and earlier["noise"] == "plain"
+    assert len(earlier["losses"]) == 3 * len(CORRECTION_RULES) == 12
     ours = comparison()
-    assert ours["reference"] == "greedy+refit" and ours["noise"] == "moderated" and len(ours["losses"]) == 6
+    assert ours["reference"] == "greedy+refit" and ours["noise"] == "moderated"
+    assert len(ours["losses"]) == 2 * len(CORRECTION_RULES) == 8
     assert ours["images"] == 8

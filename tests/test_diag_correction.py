@@ -160,3 +160,47 @@ def test_diag_ridge_from_sums_matches_a_naive_augmented_least_squares(reg):
     assert correction_mse(got, sums) == pytest.approx(mse, rel=1e-9)
     refit = correction_weights("refit", sums, reg)  # the refit sees only [o, 1]
     assert refit.shape == (c + 1, c) and correction_mse(refit, sums) > mse
+
+
+def _own_token_model(scale: float = 4.0) -> ToyEncoder:
+    """A toy whose attention rows peak on each query's own token (q = k = scale * x, v = x): the
+    case a second-order kernel cannot hold and the diagonal term can."""
+    model = ToyEncoder(depth=3).eval()
+    c = model.head.in_features
+    with torch.no_grad():
+        for block in model.layers:
+            w = block.attn.in_proj_weight
+            w[:c].copy_(scale * torch.eye(c))
+            w[c:2 * c].copy_(scale * torch.eye(c))
+            w[2 * c:].copy_(torch.eye(c))
+            block.attn.in_proj_bias.zero_()
+    swap_mha(model, ["layers.*.attn"])
+    return model
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_the_defaults_judge_diag_as_a_rule_and_take_it_where_it_clearly_wins(previous):
+    from latte_plugin.calibration.config import PREVIOUS_CORRECTION_RULES, LatteConfig
+    from latte_plugin.calibration.flow import calibrate_model
+
+    model = _own_token_model()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(2, 24, 32, generator=g) for _ in range(8)]  # independent tokens: sharp own-token rows
+    rules = {"correction_rules": PREVIOUS_CORRECTION_RULES} if previous else {}
+    cfg = LatteConfig(candidates=["layers.*.attn"], num_images=8, signal=False, steps=2, **rules)
+    rep = calibrate_model(model, batches, lambda b: model(b), cfg, log=lambda s: None)
+    losses, chosen = rep["selection"]["comparison"]["losses"], rep["selection"]["configuration"]
+    layers = find_latte_layers(model)
+    if previous:  # the rules before diag joined: no diag pair, no own values recorded, the reference kept
+        assert not any(n.endswith("+diag") for n in losses) and chosen.startswith("greedy+refit")
+        assert not any(bool(layers[n].diag_on) for n in rep["linearized"])
+    else:  # diag judged on the same sets as every rule; here its loss is a fraction of the reference's
+        assert {"greedy+diag", "score+diag"} <= set(losses) and losses["greedy+diag"] < 0.5 * losses["greedy+refit"]
+        assert chosen.startswith("greedy+diag") and all(bool(layers[n].diag_on) for n in rep["linearized"])
+
+
+def test_correction_rules_outside_the_corrections_are_refused_in_one_line():
+    from latte_plugin.calibration.config import LatteConfig
+
+    with pytest.raises(ValueError, match=r"correction_rules \['refit', 'diagonal'\]: give one or more of"):
+        LatteConfig(correction_rules=("refit", "diagonal"))

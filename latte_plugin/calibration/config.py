@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from ..ops import BACKENDS, ORDERS, PIECEWISE_BLOCK, RESTS, VARIANTS
 
 __all__ = ["LatteConfig", "VARIANTS", "BACKENDS", "SELECTIONS", "CALIBRATE", "COMPENSATE", "JUDGES", "SEARCHES",
-           "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "PREVIOUS_CORRECTION_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
+           "INFERENCE_MODES", "CHOOSE_FOR", "CORRECTIONS", "CORRECTION_RULES", "PREVIOUS_CORRECTION_RULES", "EVIDENCE_FALLBACK_RULES", "REFIT_REGS", "REFIT_FALLBACK", "CROSS_FIT_FOLDS",
            "STEP_CHECKPOINTS", "AUTO_SELECTIONS", "EVIDENCE_SELECTIONS", "EVIDENCE_REFERENCE", "REFERENCES", "FINAL_SETS", "KERNEL_CHOICES", "PIECEWISE_TOPS", "PIECEWISE_GAMMAS",
            "PIECEWISE_SLACK", "num_linear_layers"]
 
@@ -96,6 +96,10 @@ EVIDENCE_SELECTIONS = ("greedy", "score")
 #: both 256 px detectors at 8-64 images (``python -m experiments.reference_evidence``; judge
 #: losses only, no val mAP). Where the user fixes one of the two, the reference takes the user's.
 EVIDENCE_REFERENCE = ("greedy", "refit")
+#: The reference's rule where the user's ``correction_rules`` lack ``EVIDENCE_REFERENCE``'s: the
+#: first of these among them (the reference of the design calibrations before ``diag`` joined
+#: the rules, ``results/reference_evidence.json``), else the first rule.
+EVIDENCE_FALLBACK_RULES = ("refit",)
 #: What the noise rule of the configuration choice measures against: ``evidence`` (the reference
 #: above, a moderated standard error, and compensation under the same rule) or ``paper`` (the
 #: paper's score with sigma as reference, the plain standard error: the earlier rule).

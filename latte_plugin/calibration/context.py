@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 from torch import Tensor
 
 from ..nn.params import LatteParams
-from .config import AUTO_SELECTIONS, EVIDENCE_REFERENCE, EVIDENCE_SELECTIONS, LatteConfig
+from .config import AUTO_SELECTIONS, EVIDENCE_FALLBACK_RULES, EVIDENCE_REFERENCE, EVIDENCE_SELECTIONS, LatteConfig
 
 __all__ = ["AllReduce", "no_reduce", "Progress", "no_progress", "Measure", "Host", "ROLES", "CalibrationSplit",
            "RunCaches", "CalibrationRun"]
@@ -179,5 +179,5 @@ class CalibrationRun:
         if self.cfg.reference == "paper":
             return f"{methods[0]}+{rules[0]}"
         method = EVIDENCE_REFERENCE[0] if EVIDENCE_REFERENCE[0] in methods else methods[0]
-        rule = EVIDENCE_REFERENCE[1] if EVIDENCE_REFERENCE[1] in rules else rules[0]
+        rule = next((r for r in (EVIDENCE_REFERENCE[1], *EVIDENCE_FALLBACK_RULES) if r in rules), rules[0])
         return f"{method}+{rule}"
