@@ -19,7 +19,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from experiments.readme_tables_piecewise import TABLES as PIECEWISE_TABLES
 from experiments.readme_tables_speed import TABLES as SPEED_TABLES
@@ -164,16 +164,18 @@ def defaults_cost_table() -> str:
     """benchmarks/defaults_cost.py: calibration time of the defaults (and the earlier rule, where
     measured) against the previous defaults."""
     res = _load("defaults_cost.json")
-    diag = "defaults, correction='diag'"
-    settings = [s for s in ("defaults", "earlier rule", "previous defaults", diag) if any(r["setting"] == s for r in res["rows"])]
-    ratios = [s for s in ("defaults", diag) if s in settings]  # each against the previous defaults
+    diag, before = "defaults, correction='diag'", "defaults before diag joined the rules"
+    settings = [s for s in ("defaults", before, "earlier rule", "previous defaults", diag)
+                if any(r["setting"] == s for r in res["rows"])]
+    ratios = [s for s in ("defaults", before, diag) if s in settings]  # each against the previous defaults
     rows = []
     for model in dict.fromkeys(r["model"] for r in res["rows"]):
         secs = {s: [r["seconds"] for r in res["rows"] if r["model"] == model and r["setting"] == s] for s in settings}
         mean = {s: sum(v) / len(v) for s, v in secs.items()}
         rows.append([model, str(res["rows"][0]["num_images"])] + [f"{mean[s]:.0f} s" for s in settings]
                     + [f"{mean[s] / mean['previous defaults']:.2f}x" for s in ratios])
-    heads = {"defaults": "defaults / previous", diag: "correction='diag' / previous"}
+    heads = {"defaults": "defaults / previous", before: "defaults before diag / previous",
+             diag: "correction='diag' / previous"}
     return (_table(["model", "calibration images"] + settings + [heads[s] for s in ratios], rows)
             + f"\n\n`{res['command']}` (each calibration in a fresh process, one after the other, "
               f"OMP_NUM_THREADS={res['threads']}; calibration only, no evaluation).")
@@ -393,7 +395,7 @@ def headline_table() -> str:
     return _table(["model", "row", "linear layers", "bbox mAP", "% kept"], rows)
 
 
-def sweep_table(files: str = "sweep_rule") -> str:
+def sweep_table(files: str = "sweep_rule", labels: Optional[dict] = None) -> str:
     """experiments/sweep_defaults.py: the defaults against the paper's protocol, the previous
     defaults (and the earlier rule) over generated splits and budgets (experiments/sweep_report.py);
     ``files``: ``sweep_rule`` (held-out), ``sweep_defaults`` (the design sweep) or
@@ -403,7 +405,15 @@ def sweep_table(files: str = "sweep_rule") -> str:
     entries = sweep_report.load_entries(RESULTS, files)
     files_read = [_load(os.path.basename(p)) for p in sweep_report.glob.glob(os.path.join(RESULTS, f"{files}_*.json"))]
     cmds = sorted({c for res in files_read for c in res.get("commands", [res["command"]])})
-    return sweep_report.table(entries) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
+    return sweep_report.table(entries, labels) + "\n\n" + "; ".join(f"`{c}`" for c in cmds) + "."
+
+
+def sweep_diag_rules_table() -> str:
+    """The sweep of the defaults once ``diag`` joined the correction rules, on splits fixed after
+    that change, beside the defaults before (``rules_previous``) and the usual rows."""
+    from experiments import sweep_report
+
+    return sweep_table(sweep_report.RULES_FILES, sweep_report.RULES_LABELS)
 
 
 def sweep_diag_table() -> str:
@@ -433,7 +443,8 @@ def sweep_summary() -> str:
     from experiments import sweep_report
 
     entries = sweep_report.load_entries(RESULTS)
-    return "\n".join(x for x in (sweep_report.summary(entries), sweep_report.diag_summary(entries)) if x)
+    rules = sweep_report.rules_summary(sweep_report.load_entries(RESULTS, sweep_report.RULES_FILES))
+    return "\n".join(x for x in (sweep_report.summary(entries), sweep_report.diag_summary(entries), rules) if x)
 
 
 def judge_table() -> str:
@@ -471,6 +482,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "sweep_design": lambda: sweep_table("sweep_defaults"),
     "sweep_matched": lambda: sweep_table("sweep_matched"),
     "sweep_diag": sweep_diag_table,
+    "sweep_diag_rules": sweep_diag_rules_table,
     "diag_vit_all_blocks": lambda: diag_job_table("vit_all_blocks"),
     "diag_cond_detr_pilot_latency": lambda: diag_job_table("cond_detr_pilot_latency"),
     "sweep_summary": sweep_summary,

@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import statistics
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
@@ -165,12 +166,13 @@ def _noise_text(cell: dict, row: str) -> str:
     return f"noise {PAIRED_Z:g} paired SE, at most {100 * max(cell['allowances'][row].values()):.2f}"
 
 
-def table(entries: list[dict]) -> str:
+def table(entries: list[dict], labels: Optional[dict] = None) -> str:
     """The README's sweep table: mean and worst split per row, and ours (and, where run, the
-    confirmed final set) against the best other."""
-    rows = _rows(entries)
+    confirmed final set) against the best other; ``labels`` renames rows (``{row: label}``: a
+    sweep run after a change of the defaults names what its ``confirmed`` row was)."""
+    names = {**dict(ROWS), **(labels or {})}
+    rows = tuple((r, names[r]) for r, _ in _rows(entries))
     judged = [r for r in JUDGED if any(e["row"] == r for e in entries)]
-    names = dict(ROWS)
     head = ["model", "budget", "splits"] + [f"{name}: mean (worst)" for _, name in rows]
     for r in judged:
         head += [f"{names[r]} - best other: worst split", f"{names[r]}: splits within noise"]
@@ -184,7 +186,7 @@ def table(entries: list[dict]) -> str:
             vals += [_worst_margin(m), f"{c['within_by_row'][r]}/{len(m)} ({_noise_text(c, r)})" if m else "-"]
         at83 = [_mean_worst(list(c["rows"][r].values())) for r in at83_rows]
         lines.append("| " + " | ".join([c["label"], str(c["budget"]), str(len(c["seeds"]))] + vals + at83) + " |")
-    missed = misses(entries)
+    missed = misses(entries, labels=labels)
     return "\n".join(lines) + ("\n\nMissed (model, budget, split): " + "; ".join(missed) + "." if missed else "")
 
 
@@ -251,12 +253,12 @@ GOALS_AT_32 = {"ours": 0.97, "ours@83%": 0.95, "confirmed": 0.97, "confirmed@83%
 GOALS_AT_8 = {"ours": 0.90, "confirmed": 0.90, "pooled": 0.90, "matched": 0.90}
 
 
-def misses(entries: list[dict], rows: tuple = JUDGED) -> list[str]:
+def misses(entries: list[dict], rows: tuple = JUDGED, labels: Optional[dict] = None) -> list[str]:
     """Every split where a row of ``rows`` (ours, the confirmed or pooled final set) is below the
     better other row by more than the noise, and every detector split below a goal at 32 images
     (at 8 on the Conditional DETR), as lines that name the model, budget and seed."""
     lines = []
-    names = dict(ROWS)
+    names = {**dict(ROWS), **(labels or {})}
     for c in cells(entries):
         for r in rows:
             for s, m in sorted(c["margins"][r].items()):
@@ -294,6 +296,43 @@ def summary(entries: list[dict]) -> str:
             f"protocol and the previous defaults: {'; '.join(counts)} split x budget cells; "
             f"{len(misses(entries, SUMMARY_ROWS))} miss(es) of that or of a goal, each named in "
             f"[docs/results.md](docs/results.md#sweep).")
+
+
+#: the sweep of the defaults once ``diag`` joined the correction rules, on splits fixed after that
+#: change (``results/sweep_diag_rules_*.json``), and what its rows are
+RULES_FILES = "sweep_diag_rules"
+RULES_LABELS = {"confirmed": "defaults (diag among the rules)"}
+
+
+def rules_summary(entries: list[dict]) -> str:
+    """The README's line on the defaults since ``diag`` joined the correction rules: per model
+    and budget, their mean (worst) share kept against the defaults before on the same fresh
+    splits, the cells within the noise of the better of the paper's protocol and the previous
+    defaults, and the misses counted."""
+    cs = cells(entries)
+    if not cs:
+        return ""
+    parts = []
+    for c in cs:
+        new, old = c["rows"]["confirmed"], c["rows"]["rules_previous"]
+        seeds = sorted(set(new) & set(old))
+        if seeds:
+            parts.append(f"{c['label']} at {c['budget']}: {_mean_worst([new[s] for s in seeds])} against "
+                         f"{_mean_worst([old[s] for s in seeds])}")
+        n83, o83 = c["rows"]["confirmed@83%"], c["rows"]["rules_previous@83%"]
+        s83 = sorted(set(n83) & set(o83))
+        if s83:
+            parts.append(f"{c['label']} at {c['budget']} at 83%: {_mean_worst([n83[s] for s in s83])} against "
+                         f"{_mean_worst([o83[s] for s in s83])}")
+    total = sum(len(c["margins"]["confirmed"]) for c in cs)
+    within = sum(c["within_by_row"].get("confirmed", 0) for c in cs)
+    seeds = sorted({s for c in cs for s in c["seeds"]})
+    return (f"The defaults since `diag` joined the correction rules ([method](docs/method.md#diag)), on splits fixed "
+            f"after that change (seeds {', '.join(map(str, seeds))}), % kept, mean (worst split), against the "
+            f"defaults before: " + "; ".join(parts) + f". Within the noise of the better of the paper's protocol and "
+            f"the previous defaults on {within} of {total} split x budget cells; "
+            f"{len(misses(entries, ('confirmed',), RULES_LABELS))} miss(es) of that or of a goal, each named in "
+            f"[docs/results.md](docs/results.md#diag-rules).")
 
 
 def plot(entries: list[dict], out: str) -> None:

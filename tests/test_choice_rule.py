@@ -95,8 +95,8 @@ def _run(**settings) -> CalibrationRun:
 @pytest.mark.parametrize("settings, reference", [
     ({}, "+".join(EVIDENCE_REFERENCE)),
     ({"correction": "sigma"}, "greedy+sigma"),
-    ({"selection": "score"}, "score+refit"),
-    ({"selection": "backward", "correction": "auto"}, "backward+refit"),
+    ({"selection": "score"}, "score+diag"),
+    ({"selection": "backward", "correction": "auto"}, "backward+diag"),
     ({"reference": "paper"}, "score+sigma"),
     ({"correction_rules": ("sigma", "refit", "auto")}, "greedy+refit"),  # the defaults before diag joined
     ({"correction_rules": ("sigma", "auto")}, "greedy+sigma"),
@@ -142,6 +142,6 @@ def test_reference_paper_is_the_earlier_rule_end_to_end():
     assert earlier["reference"] == "score+sigma" and earlier["noise"] == "plain"
     assert len(earlier["losses"]) == 3 * len(CORRECTION_RULES) == 12
     ours = comparison()
-    assert ours["reference"] == "greedy+refit" and ours["noise"] == "moderated"
+    assert ours["reference"] == "greedy+diag" and ours["noise"] == "moderated"
     assert len(ours["losses"]) == 2 * len(CORRECTION_RULES) == 8
     assert ours["images"] == 8

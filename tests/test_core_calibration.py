@@ -350,7 +350,7 @@ def test_auto_selection_and_accuracy_target():
     rep = run(ratio=0.67)
     sel = rep["selection"]
     cmp = sel["comparison"]
-    assert sel["method"] == "auto" and cmp["reference"] == "greedy+refit" and cmp["noise"] == "moderated"
+    assert sel["method"] == "auto" and cmp["reference"] == "greedy+diag" and cmp["noise"] == "moderated"
     assert set(cmp["losses"]) == {f"{m}+{r}" for m in ("greedy", "score") for r in ("sigma", "refit", "auto", "diag")}
     assert cmp["losses"][cmp["best"]] == min(cmp["losses"].values())
     assert sel["configuration"] in (cmp["reference"], cmp["best"]) and sel["chosen"] == sel["configuration"].split("+")[0]

@@ -93,9 +93,12 @@ AUTO_SELECTIONS = ("score", "greedy", "backward")
 EVIDENCE_SELECTIONS = ("greedy", "score")
 #: The reference of ``reference='evidence'``: the (selection, correction) pair of lowest mean
 #: cross-fitted judge loss relative to each calibration's best, over the design calibrations of
-#: both 256 px detectors at 8-64 images (``python -m experiments.reference_evidence``; judge
-#: losses only, no val mAP). Where the user fixes one of the two, the reference takes the user's.
-EVIDENCE_REFERENCE = ("greedy", "refit")
+#: both 256 px detectors (seeds 202-606): ``greedy+refit`` at 8-64 images with the rules before
+#: ``diag`` (``results/reference_evidence.json``), ``greedy+diag`` at 8 and 32 images at 67% and 83%
+#: once ``diag`` joined them (``python -m experiments.reference_evidence --pattern
+#: results/design_rules_diag.json``; judge losses only, no val mAP). Where the user fixes one of the
+#: two, the reference takes the user's.
+EVIDENCE_REFERENCE = ("greedy", "diag")
 #: The reference's rule where the user's ``correction_rules`` lack ``EVIDENCE_REFERENCE``'s: the
 #: first of these among them (the reference of the design calibrations before ``diag`` joined
 #: the rules, ``results/reference_evidence.json``), else the first rule.
