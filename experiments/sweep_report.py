@@ -241,9 +241,10 @@ def diag_summary(entries: list[dict]) -> str:
                 if seeds:
                     parts.append(f"{label} at {budget} at {share} ({len(seeds)} splits): "
                                  f"{_mean_worst([q[row][s] for s in seeds])} against {_mean_worst([q[base][s] for s in seeds])}")
-    return ("Opt-in `--correction diag` (the refit plus a linear term in each query's own value; "
+    return ("`--correction diag` (the refit plus a linear term in each query's own value, in every configuration; "
             "[method](docs/method.md#diag), [results](docs/results.md#diag)), % kept, mean (worst split), against the "
-            "defaults on the same held-out splits: " + "; ".join(parts) + ".") if parts else ""
+            "defaults of the time (before `diag` joined the correction rules) on the same held-out splits: "
+            + "; ".join(parts) + ".") if parts else ""
 
 
 #: The issue's goals at 32 calibration images, per split: share of the exact mAP kept at 67% and 83%.
