@@ -100,7 +100,7 @@ def cells(entries: list[dict]) -> list[dict]:
         allow = noise(entries, model)
         for budget in sorted({e["budget"] for e in mine}):
             by_row = {r: {e["seed"]: quality(e) for e in mine if e["budget"] == budget and e["row"] == r}
-                      for r in ("paper", "previous", "earlier", *JUDGED, *AT_83)}
+                      for r in ("paper", "previous", "earlier", "rules_previous", *JUDGED, *AT_83)}
             seeds = sorted(set(by_row["paper"]) & set(by_row["previous"]) & set().union(*(by_row[r] for r in JUDGED)))
             if not seeds:
                 continue
@@ -176,7 +176,7 @@ def table(entries: list[dict], labels: Optional[dict] = None) -> str:
     head = ["model", "budget", "splits"] + [f"{name}: mean (worst)" for _, name in rows]
     for r in judged:
         head += [f"{names[r]} - best other: worst split", f"{names[r]}: splits within noise"]
-    at83_rows = ["ours@83%"] + [r for r in AT_83[1:] if any(e["row"] == r for e in entries)]
+    at83_rows = [r for r in AT_83 if any(e["row"] == r for e in entries)] or ["ours@83%"]  # an empty column if none ran
     head += [f"{names[r.split('@')[0]]} at 83%: mean (worst)" for r in at83_rows]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells(entries):
