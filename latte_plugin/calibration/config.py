@@ -269,17 +269,20 @@ class LatteConfig:
         """``{field: help}`` of every field."""
         return {f.name: f.metadata.get("help", "") for f in fields(cls)}
 
+    def _check_corrections(self) -> None:
+        """``correction`` and ``correction_rules``: each one of :data:`CORRECTIONS`."""
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
+        if not self.correction_rules or any(r not in CORRECTIONS for r in self.correction_rules):
+            raise ValueError(f"correction_rules {list(self.correction_rules)!r}: give one or more of {', '.join(CORRECTIONS)}")
+
     def validate(self) -> "LatteConfig":
         """Checks every field (done once, at construction); raises ``ValueError`` naming the bad one."""
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown LATTE variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"unknown output correction {self.correction!r}; choose one of {', '.join(CORRECTIONS)}")
-        bad = [r for r in self.correction_rules if r not in CORRECTIONS]
-        if bad or not self.correction_rules:
-            raise ValueError(f"correction_rules {list(self.correction_rules)!r}: give one or more of {', '.join(CORRECTIONS)}")
+        self._check_corrections()
         if self.target is not None and not 0.0 < float(self.target) < 1.0:
             raise ValueError(f"target (a fidelity loss budget, e.g. 0.05 keeps 95%) must be in (0, 1), got {self.target}")
         if self.speedup is not None and not (math.isfinite(float(self.speedup)) and float(self.speedup) >= 1.0):
