@@ -336,8 +336,31 @@ def rules_summary(entries: list[dict]) -> str:
             f"[docs/results.md](docs/results.md#diag-rules).")
 
 
-def plot(entries: list[dict], out: str) -> None:
-    """Quality kept against budget: per model, each row's mean over splits and its worst split."""
+def plot_series(entries: list[dict], labels: Optional[dict] = None) -> dict:
+    """What :func:`plot` draws: per model, ``(row label, budgets, mean kept, worst kept)`` for every
+    row run on all of that model's splits at every budget (a row run on fewer would not compare:
+    the table names it); ``labels`` renames rows as in :func:`table`."""
+    cs, names = cells(entries), {**dict(ROWS), **(labels or {})}
+    series = {}
+    for model, _ in MODELS:
+        mine = [c for c in cs if c["model"] == model]
+        if not mine:
+            continue
+        budgets = [c["budget"] for c in mine]
+        series[model] = [(names[r], budgets, [statistics.mean(c["rows"][r].values()) for c in mine],
+                          [min(c["rows"][r].values()) for c in mine])
+                         for r, _ in _rows(entries) if all(set(c["seeds"]) <= set(c["rows"][r]) for c in mine)]
+    return series
+
+
+#: one colour per row, in the order of ``ROWS``
+COLOURS = ("tab:gray", "tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple", "tab:brown", "tab:pink",
+           "tab:olive")
+
+
+def plot(entries: list[dict], out: str, labels: Optional[dict] = None) -> None:
+    """Quality kept against budget (:func:`plot_series`): per model, each row's mean over splits
+    and its worst split; ``labels`` renames rows as in :func:`table`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -345,19 +368,13 @@ def plot(entries: list[dict], out: str) -> None:
 
     from latte_plugin.storage import atomic_write
 
-    cs = cells(entries)
-    models = [m for m, _ in MODELS if any(c["model"] == m for c in cs)]
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        mine = [c for c in cs if c["model"] == model]
-        budgets = [c["budget"] for c in mine]
-        for (r, name), color in zip(ROWS, ("tab:gray", "tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple")):
-            if not all(set(c["seeds"]) <= set(c["rows"][r]) for c in mine):
-                continue  # a row run on fewer splits: its mean would not compare (the table names it)
-            means = [statistics.mean(c["rows"][r].values()) for c in mine]
-            worst = [min(c["rows"][r].values()) for c in mine]
+    series = plot_series(entries, labels)
+    fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.4), squeeze=False)
+    for ax, (model, rows) in zip(axes[0], series.items()):
+        for (name, budgets, means, worst), color in zip(rows, COLOURS):
             ax.plot(budgets, means, "o-", color=color, label=f"{name} (mean)")
             ax.plot(budgets, worst, "v:", color=color, alpha=0.7, label=f"{name} (worst split)")
+        budgets = sorted({b for _, bs, _, _ in rows for b in bs})
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("calibration images" if model != "sequence" else "calibration sequences")
@@ -377,8 +394,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     a.plot = a.plot or os.path.join(RESULTS, f"{a.files}.png")
     entries = load_entries(files=a.files)
-    print(table(entries))
-    plot(entries, a.plot)
+    labels = RULES_LABELS if a.files == RULES_FILES else None
+    print(table(entries, labels))
+    plot(entries, a.plot, labels)
     print(f"plot: {a.plot}")
 
 

@@ -181,3 +181,16 @@ def test_the_sequence_sweep_keeps_each_entrys_cosines_beside_its_results_file(tm
     (loaded,) = sweep_report.load_entries(str(tmp_path), "sweep_rule")
     assert loaded["cosine"] == 0.5 and list(loaded["cosines"]) == [0.25, 0.75]
     assert sweep_defaults.cosines_path(path).endswith("sweep_rule_sequence_cosines.safetensors")
+
+
+def test_the_plot_draws_every_row_run_on_all_splits_under_its_label():
+    """Rows beyond the sixth of ``ROWS`` are drawn (``rules_previous``), a sweep's labels name them,
+    and a row run on fewer splits than its cell is left out."""
+    entries = _entries() + [{"model": "cond_detr", "seed": s, "budget": 8, "row": "rules_previous", "kept": k}
+                            for s, k in ((1, 0.9), (2, 0.8))]
+    entries.append({"model": "cond_detr", "seed": 1, "budget": 8, "row": "earlier", "kept": 0.96})
+    det = {name: (means, worst) for name, _, means, worst in
+           sweep_report.plot_series(entries, {"ours": "the new ones"})["cond_detr"]}
+    assert list(det) == ["paper's protocol", "previous defaults", "the new ones", dict(sweep_report.ROWS)["rules_previous"]]
+    assert det["the new ones"] == (pytest.approx([0.935]), [0.90])
+    assert det[dict(sweep_report.ROWS)["rules_previous"]] == (pytest.approx([0.85]), [0.8])
