@@ -162,7 +162,10 @@ def calibration_cost_table() -> str:
 
 def defaults_cost_table() -> str:
     """benchmarks/defaults_cost.py: calibration time of the defaults (and the earlier rule, where
-    measured) against the previous defaults."""
+    measured) against the previous defaults: the median over repeats, and with more than one repeat
+    the range of the ratios within a round (the settings of a round run one after the other)."""
+    import statistics
+
     res = _load("defaults_cost.json")
     diag, before = "defaults, correction='diag'", "defaults before diag joined the rules"
     settings = [s for s in ("defaults", before, "earlier rule", "previous defaults", diag)
@@ -170,14 +173,22 @@ def defaults_cost_table() -> str:
     ratios = [s for s in ("defaults", before, diag) if s in settings]  # each against the previous defaults
     rows = []
     for model in dict.fromkeys(r["model"] for r in res["rows"]):
-        secs = {s: [r["seconds"] for r in res["rows"] if r["model"] == model and r["setting"] == s] for s in settings}
-        mean = {s: sum(v) / len(v) for s, v in secs.items()}
-        rows.append([model, str(res["rows"][0]["num_images"])] + [f"{mean[s]:.0f} s" for s in settings]
-                    + [f"{mean[s] / mean['previous defaults']:.2f}x" for s in ratios])
+        secs = {s: {r["repeat"]: r["seconds"] for r in res["rows"] if r["model"] == model and r["setting"] == s}
+                for s in settings}
+        med = {s: statistics.median(v.values()) for s, v in secs.items()}
+        cells = []
+        for s in ratios:
+            per_round = [secs[s][k] / secs["previous defaults"][k] for k in secs[s] if k in secs["previous defaults"]]
+            spread = f" ({min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
+            cells.append(f"{med[s] / med['previous defaults']:.2f}x{spread}")
+        rows.append([model, str(res["rows"][0]["num_images"])] + [f"{med[s]:.0f} s" for s in settings] + cells)
     heads = {"defaults": "defaults / previous", before: "defaults before diag / previous",
              diag: "correction='diag' / previous"}
+    repeats = len({r["repeat"] for r in res["rows"]})
+    how = (f"median of {repeats} rounds, each setting once per round; the ratio's range over the rounds in brackets"
+           if repeats > 1 else "one calibration per setting")
     return (_table(["model", "calibration images"] + settings + [heads[s] for s in ratios], rows)
-            + f"\n\n`{res['command']}` (each calibration in a fresh process, one after the other, "
+            + f"\n\n`{res['command']}` ({how}; each calibration in a fresh process, one after the other, "
               f"OMP_NUM_THREADS={res['threads']}; calibration only, no evaluation).")
 
 

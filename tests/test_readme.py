@@ -52,3 +52,17 @@ def test_a_changed_result_makes_the_check_fail(tmp_path, monkeypatch):
         if readme_tables.render(text) != text:
             changed.append(os.path.basename(page))
     assert changed == ["deployment.md"]  # the page that holds the detector timing table
+
+
+def test_the_cost_table_takes_the_median_over_rounds_and_the_ratios_range_within_them(tmp_path, monkeypatch):
+    import json
+
+    rows = [{"model": "m", "setting": s, "repeat": r, "num_images": 32, "seconds": sec}
+            for s, secs in (("defaults", (20.0, 30.0, 22.0)), ("previous defaults", (10.0, 12.0, 11.0)))
+            for r, sec in enumerate(secs)]
+    (tmp_path / "defaults_cost.json").write_text(json.dumps({"rows": rows, "command": "c", "threads": "1"}))
+    monkeypatch.setattr(readme_tables, "RESULTS", str(tmp_path))
+    table = readme_tables.defaults_cost_table()
+    # medians 22 / 11; per round 2.00, 2.50, 2.00
+    assert "| m | 32 | 22 s | 11 s | 2.00x (2.00-2.50) |" in table
+    assert "median of 3 rounds" in table
