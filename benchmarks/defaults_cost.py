@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -73,7 +74,7 @@ def main(argv=None) -> dict:
                 rows.append({"model": model, "setting": setting, "repeat": r, "num_images": a.num_images,
                              "seconds": round(res["seconds"], 1), "configuration": res["configuration"]})
                 print(rows[-1], flush=True)
-    out = {"rows": rows, "command": "python -m benchmarks.defaults_cost " + " ".join(argv or sys.argv[1:]),
+    out = {"rows": rows, "command": "python -m benchmarks.defaults_cost " + shlex.join(argv or sys.argv[1:]),
            "threads": os.environ.get("OMP_NUM_THREADS", "default")}
     if a.json:
         from latte_plugin.storage import atomic_write_json
