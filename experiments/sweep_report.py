@@ -318,13 +318,13 @@ def rules_summary(entries: list[dict]) -> str:
         new, old = c["rows"]["confirmed"], c["rows"]["rules_previous"]
         seeds = sorted(set(new) & set(old))
         if seeds:
-            parts.append(f"{c['label']} at {c['budget']}: {_mean_worst([new[s] for s in seeds])} against "
-                         f"{_mean_worst([old[s] for s in seeds])}")
+            parts.append(f"{c['label']} at {c['budget']} ({len(seeds)} splits): {_mean_worst([new[s] for s in seeds])} "
+                         f"against {_mean_worst([old[s] for s in seeds])}")
         n83, o83 = c["rows"]["confirmed@83%"], c["rows"]["rules_previous@83%"]
         s83 = sorted(set(n83) & set(o83))
         if s83:
-            parts.append(f"{c['label']} at {c['budget']} at 83%: {_mean_worst([n83[s] for s in s83])} against "
-                         f"{_mean_worst([o83[s] for s in s83])}")
+            parts.append(f"{c['label']} at {c['budget']} at 83% ({len(s83)} splits): "
+                         f"{_mean_worst([n83[s] for s in s83])} against {_mean_worst([o83[s] for s in s83])}")
     total = sum(len(c["margins"]["confirmed"]) for c in cs)
     within = sum(c["within_by_row"].get("confirmed", 0) for c in cs)
     seeds = sorted({s for c in cs for s in c["seeds"]})

@@ -194,3 +194,11 @@ def test_the_plot_draws_every_row_run_on_all_splits_under_its_label():
     assert list(det) == ["paper's protocol", "previous defaults", "the new ones", dict(sweep_report.ROWS)["rules_previous"]]
     assert det["the new ones"] == (pytest.approx([0.935]), [0.90])
     assert det[dict(sweep_report.ROWS)["rules_previous"]] == (pytest.approx([0.85]), [0.8])
+
+
+def test_the_rules_summary_names_how_many_splits_each_cell_stands_on():
+    entries = _entries() + [{"model": "cond_detr", "seed": s, "budget": 8, "row": r, "kept": k}
+                            for s, r, k in ((1, "confirmed", 0.99), (2, "confirmed", 0.98), (1, "rules_previous", 0.9))]
+    line = sweep_report.rules_summary(entries)
+    # the comparison stands on the splits both rows ran on: seed 1 only
+    assert "Conditional DETR at 8 (1 splits): 99.0 (99.0) against 90.0 (90.0)" in line
