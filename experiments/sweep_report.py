@@ -353,7 +353,7 @@ def plot_series(entries: list[dict], labels: Optional[dict] = None) -> dict:
     return series
 
 
-#: one colour per row, in the order of ``ROWS``
+#: one colour per row drawn, in the order the entries hold them (``ROWS`` order, absent rows skipped)
 COLOURS = ("tab:gray", "tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple", "tab:brown", "tab:pink",
            "tab:olive")
 
