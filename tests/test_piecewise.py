@@ -3,6 +3,9 @@
 the block choice against a plain top-k; every block exact = softmax; 16-bit inputs with real
 calibrated scales; the calibration's choice of kernel and knobs.
 
+The fused path's exact part runs through PyTorch's CPU flash kernel where the head sizes agree
+(``dv == d``), else plain tensor ops; both are compared with the reference.
+
 Tolerances: float32 paths within 2e-5 of the reference (the same sums in another order);
 16-bit inputs within 2e-2 of the float32 result of the same rounded inputs; ONNX within 1e-4.
 """
@@ -20,7 +23,7 @@ from latte_plugin.calibration.kernel_choice import pick_piecewise, piecewise_can
 from latte_plugin.calibration.record import RecordedItem
 from latte_plugin.nn.install import find_latte_layers
 from latte_plugin.nn.params import LatteParams
-from latte_plugin.ops import triton_piecewise
+from latte_plugin.ops import piecewise, triton_piecewise
 from latte_plugin.ops.piecewise import pool_blocks, pooled_queries, select_key_blocks
 
 F32 = 2e-5
@@ -44,6 +47,45 @@ def test_fused_equals_naive_over_ragged_shapes_masks_rests_and_orders(order, res
     ref = ops.naive_piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], kpm)
     got = ops.piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], kpm)
     torch.testing.assert_close(got, ref, atol=F32, rtol=F32)
+
+
+def _blocked_terms(q, k, v, kpm, spec):
+    from latte_plugin.ops.piecewise import _blocked
+
+    qb, kb, vb, validb, q_pool, _ = _blocked(q, k, v, kpm, spec.block, torch.float32, spec.order)
+    k_pool, k_counts = pool_blocks(kb.flatten(2, 3), validb.flatten(2, 3), kb.shape[3])
+    return qb, kb, vb, validb, select_key_blocks(q_pool, k_pool, k_counts, min(spec.top, kb.shape[2]))
+
+
+@pytest.mark.parametrize("n,m,top,padded", [(37, 50, 1, False), (70, 130, 2, True), (130, 20, 1, True), (64, 64, 4, False)])
+def test_fused_exact_part_equals_the_plain_one_and_the_naive_reference(n, m, top, padded):
+    """The CPU flash kernel's exact part returns other terms (the normalised output, the log-sum-exp)
+    that the shared normaliser must merge to the plain ops' result; and the whole eager path, which
+    takes it where the head sizes agree, against the naive reference."""
+    q, k, v = qkv(b=2, h=3, n=n, m=m, d=16, dv=16, scale=2.0)
+    kpm = _mask(2, m, m // 2) if padded else None
+    spec = ops.PiecewiseSpec(top, 1.3, "latte", 16, "tokens")
+    qb, kb, vb, validb, idx = _blocked_terms(q, k, v, kpm, spec)
+    assert piecewise.fused_exact_available(qb, vb)
+    rest = piecewise.piecewise_rest_terms(qb, kb, vb, validb, idx, spec, PER_HEAD["m"], PER_HEAD["rho"])
+    plain = piecewise.merge_terms(piecewise.piecewise_exact_terms(qb, kb, vb, validb, idx), rest)
+    fused = piecewise.merge_terms(piecewise.fused_exact_terms(qb, kb, vb, validb, idx), rest)
+    torch.testing.assert_close(fused, plain, atol=F32, rtol=F32)
+    ref = ops.naive_piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], kpm)
+    for backend in ("eager", "plain"):
+        got = ops.piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], kpm, backend)
+        torch.testing.assert_close(got, ref, atol=F32, rtol=F32)
+
+
+def test_fused_exact_part_of_a_query_block_whose_chosen_keys_are_all_padding_is_empty():
+    q, k, v = qkv(b=1, h=2, n=20, m=48, d=16, dv=16)
+    kpm = _mask(1, 48, 32)  # key block 2 (32..47) is all padding
+    qb, kb, vb, validb, idx = _blocked_terms(q, k, v, kpm, ops.PiecewiseSpec(1, 1.0, "latte", 16, "tokens"))
+    idx = torch.full_like(idx, 2)
+    num, den, lse = piecewise.fused_exact_terms(qb, kb, vb, validb, idx)
+    _, _, mx = piecewise.piecewise_exact_terms(qb, kb, vb, validb, idx)
+    assert bool((num == 0).all()) and bool(torch.isneginf(lse).all()) and bool(torch.isneginf(mx).all())
+    assert not piecewise.fused_exact_available(qb, vb[..., :8])  # head sizes differ: the plain ops
 
 
 def test_similarity_blocks_are_balanced_and_group_similar_tokens():

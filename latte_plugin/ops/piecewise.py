@@ -32,7 +32,7 @@ from torch import Tensor
 
 __all__ = ["RESTS", "ORDERS", "PIECEWISE_BLOCK", "PiecewiseSpec", "similarity_groups", "similarity_order", "token_groups", "pooled_queries",
            "pool_blocks", "select_key_blocks", "piecewise_attention",
-           "piecewise_exact_terms", "piecewise_rest_terms", "merge_terms", "psi_unit"]
+           "piecewise_exact_terms", "fused_exact_terms", "fused_exact_available", "piecewise_rest_terms", "merge_terms", "psi_unit"]
 
 #: How the keys outside the chosen blocks are approximated.
 RESTS = ("blockmean", "latte")
@@ -124,6 +124,13 @@ def _gather_blocks(x: Tensor, idx: Tensor) -> Tensor:
     return flat.view(*idx.shape, *rest)
 
 
+def _sum_over(x: Tensor, weights: Tensor) -> Tensor:
+    """``sum_j weights[..., p, j] x[..., j, ...]``: ``x`` ``(B, H, nK, ...)``, ``weights`` ``(B, H, P, nK)``
+    to ``(B, H, P, ...)``, by one matmul (a gather of every chosen block's table would copy
+    ``P x t`` of them; subtracting the chosen ones from the total would cancel)."""
+    return (weights @ x.flatten(3)).view(*weights.shape[:3], *x.shape[3:])
+
+
 def piecewise_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: Tensor
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax sums over the chosen key blocks, relative to their row maximum.
@@ -145,6 +152,45 @@ def piecewise_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, id
     mx = x.amax(dim=-1)
     e = torch.exp(x - torch.where(torch.isinf(mx), torch.zeros_like(mx), mx).unsqueeze(-1))
     return e @ vs, e.sum(dim=-1), mx
+
+
+def fused_exact_available(x: Tensor, v: Tensor) -> bool:
+    """Whether :func:`fused_exact_terms` can run on queries ``x`` and values ``v``: CPU tensors with
+    one head size (the kernel's limit), no autograd, no trace or export (the op is an ATen internal
+    that ONNX does not have), and this torch ships the op."""
+    return (x.device.type == "cpu" and x.shape[-1] == v.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or v.requires_grad))
+            and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
+def fused_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: Tensor
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`piecewise_exact_terms` through PyTorch's CPU flash-attention kernel, which fuses the
+    scores, their exponentials and both sums and returns each row's log-sum-exp.
+
+    The terms come back in another but equivalent scale: the normalised output as the numerator,
+    a denominator of 1 and the log-sum-exp as the row "maximum", so that :func:`merge_terms`
+    rescales them by ``exp(lse - mx) = den / exp(mx)`` exactly as it rescales the plain ones.
+
+    Args/Returns: as :func:`piecewise_exact_terms` (a query block with no valid chosen key: zero
+    numerator, ``-inf`` log-sum-exp).
+    """
+    b, h, nq, block, d = qb.shape
+    ks = _gather_blocks(kb, idx).flatten(3, 4)  # (B, H, nQ, S, d), S = t*block
+    vs = _gather_blocks(vb, idx).flatten(3, 4)
+    ok = _gather_blocks(validb.expand(b, h, *validb.shape[2:]), idx).flatten(3, 4)  # (B, H, nQ, S)
+    rows, span = b * h * nq, ks.shape[3]
+    bias = None
+    if not bool(ok.all()):
+        bias = torch.zeros(ok.shape, dtype=qb.dtype, device=qb.device).masked_fill_(~ok, float("-inf"))
+        bias = bias.view(rows, 1, 1, span)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb.reshape(rows, 1, block, d), ks.reshape(rows, 1, span, d), vs.reshape(rows, 1, span, -1), attn_mask=bias)
+    empty = ~ok.any(dim=-1, keepdim=True)  # (B, H, nQ, 1): every chosen key padded
+    out = out.view(b, h, nq, block, -1).masked_fill(empty.unsqueeze(-1), 0.0)
+    lse = lse.view(b, h, nq, block).masked_fill(empty, float("-inf"))
+    return out, torch.ones_like(lse), lse
 
 
 def _over_blocks(x: Tensor | float) -> Tensor | float:
@@ -171,6 +217,7 @@ def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx:
     kbar = (kb * w_valid).sum(dim=-2) / counts.clamp_min(1.0).unsqueeze(-1)  # (B, H, nK, d)
     chosen = torch.zeros(b, h, nq, nk, dtype=q.dtype, device=q.device).scatter(-1, idx, 1.0) > 0
     restb = ~chosen & (counts > 0).unsqueeze(-2)  # (B, H, nQ, nK)
+    unchosen = (~chosen).to(q.dtype)  # empty blocks add zeros to every sum below
     y = (q @ kbar.unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)  # (B, H, nQ, block, nK)
     y = y.masked_fill(~restb.unsqueeze(-2), float("-inf"))
     mx = y.amax(dim=-1)
@@ -184,7 +231,7 @@ def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx:
         num = gamma * (w @ vsum.unsqueeze(2))
         # first order: C_j = sum_l (k_l - kbar_j) v_l^T = K_j^T V_j - kbar_j (n_j vbar_j)^T
         cj = (kb * w_valid).transpose(-1, -2) @ va - kbar.unsqueeze(-1) @ vsum.unsqueeze(-2)  # (B, H, nK, d, d_v)
-        c_rest = cj.sum(dim=2, keepdim=True) - _gather_blocks(cj, idx).sum(dim=3)  # (B, H, nQ, d, d_v)
+        c_rest = _sum_over(cj, unchosen)  # (B, H, nQ, d, d_v)
         per_key = den.unsqueeze(-1) / n_rest.clamp_min(1.0)
         num = num + per_key * (q @ c_rest) / math.sqrt(d)
     elif rest == "latte":
@@ -193,9 +240,8 @@ def piecewise_rest_terms(q: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx:
         fk = psi_unit(kb, m) * w_valid
         kv = fk.transpose(-1, -2) @ va  # (B, H, nK, d, d_v)
         ksum, vsum = fk.sum(dim=-2), va.sum(dim=-2)  # (B, H, nK, d), (B, H, nK, d_v)
-        kv_rest = kv.sum(dim=2, keepdim=True) - _gather_blocks(kv, idx).sum(dim=3)
-        ks_rest = ksum.sum(dim=2, keepdim=True) - _gather_blocks(ksum, idx).sum(dim=3)  # (B, H, nQ, d)
-        vs_rest = vsum.sum(dim=2, keepdim=True) - _gather_blocks(vsum, idx).sum(dim=3)  # (B, H, nQ, d_v)
+        kv_rest = _sum_over(kv, unchosen)  # (B, H, nQ, d, d_v)
+        ks_rest, vs_rest = _sum_over(ksum, unchosen), _sum_over(vsum, unchosen)  # (B, H, nQ, d), (B, H, nQ, d_v)
         lnum = fq @ kv_rest + vs_rest.unsqueeze(-2)
         lden = (fq @ ks_rest.unsqueeze(-1)) + n_rest.squeeze(-1).unsqueeze(-1)  # (B, H, nQ, block, 1)
         num = den.unsqueeze(-1) * lnum / torch.where(lden > 0, lden, torch.ones_like(lden))
@@ -337,8 +383,10 @@ def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec: PiecewiseSpec, m:
         spec: the knobs (:class:`PiecewiseSpec`).
         m, rho: LATTE's scalars for ``rest='latte'`` (scalars or ``(H, 1, 1)``).
         key_padding_mask: ``(B, M)``, ``True`` = padded.
-        backend: ``eager``, or ``triton`` for the exact part through :mod:`.triton_piecewise` (where it
-            takes the block size and head dims; else eager).
+        backend: ``eager`` (on CPU, the exact part through PyTorch's fused kernel where
+            :func:`fused_exact_available`), ``plain`` (the exact part as plain tensor ops: the
+            composition the fused kernel is tested against), or ``triton`` for the exact part through
+            :mod:`.triton_piecewise` (where it takes the block size and head dims; else eager).
 
     Returns:
         ``(B, H, N, d_v)`` in ``v``'s dtype; a query with no valid key gets zeros.
@@ -354,8 +402,8 @@ def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec: PiecewiseSpec, m:
         rest_terms = piecewise_rest_terms(qb, kb, vb, validb, idx, spec, m, rho)
         out = triton_piecewise.exact_and_merge(qb, kb, vb, validb, idx, rest_terms)
     else:
-        out = merge_terms(piecewise_exact_terms(qb, kb, vb, validb, idx),
-                          piecewise_rest_terms(qb, kb, vb, validb, idx, spec, m, rho))
+        exact = fused_exact_terms if backend == "eager" and fused_exact_available(qb, vb) else piecewise_exact_terms
+        out = merge_terms(exact(qb, kb, vb, validb, idx), piecewise_rest_terms(qb, kb, vb, validb, idx, spec, m, rho))
     out = out.flatten(2, 3)
     if qperm is not None:  # back to the token order
         out = _take(out, _inverse(qperm))
