@@ -384,7 +384,7 @@ def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec: PiecewiseSpec, m:
         m, rho: LATTE's scalars for ``rest='latte'`` (scalars or ``(H, 1, 1)``).
         key_padding_mask: ``(B, M)``, ``True`` = padded.
         backend: ``eager`` (on CPU, the exact part through PyTorch's fused kernel where
-            :func:`fused_exact_available`), ``plain`` (the exact part as plain tensor ops: the
+            :func:`fused_exact_available` and at least two key blocks are exact), ``plain`` (the exact part as plain tensor ops: the
             composition the fused kernel is tested against), or ``triton`` for the exact part through
             :mod:`.triton_piecewise` (where it takes the block size and head dims; else eager).
 
@@ -402,7 +402,10 @@ def piecewise_attention(q: Tensor, k: Tensor, v: Tensor, spec: PiecewiseSpec, m:
         rest_terms = piecewise_rest_terms(qb, kb, vb, validb, idx, spec, m, rho)
         out = triton_piecewise.exact_and_merge(qb, kb, vb, validb, idx, rest_terms)
     else:
-        exact = fused_exact_terms if backend == "eager" and fused_exact_available(qb, vb) else piecewise_exact_terms
+        # the fused kernel pays off from two key blocks a query block (measured on 2 cores: 13% at @8,
+        # even at @2, 2-12% slower at @1, where its per-call overhead meets one small block)
+        fused = backend == "eager" and idx.shape[-1] >= 2 and fused_exact_available(qb, vb)
+        exact = fused_exact_terms if fused else piecewise_exact_terms
         out = merge_terms(exact(qb, kb, vb, validb, idx), piecewise_rest_terms(qb, kb, vb, validb, idx, spec, m, rho))
     out = out.flatten(2, 3)
     if qperm is not None:  # back to the token order
