@@ -131,6 +131,15 @@ def _sum_over(x: Tensor, weights: Tensor) -> Tensor:
     return (weights @ x.flatten(3)).view(*weights.shape[:3], *x.shape[3:])
 
 
+def _chosen_keys(kb: Tensor, vb: Tensor, validb: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each query block's chosen key blocks side by side: keys ``(B, H, nQ, S, d)``, values
+    ``(B, H, nQ, S, d_v)`` and validity ``(B, H, nQ, S)``, ``S = t * block`` (arguments as in
+    :func:`piecewise_exact_terms`)."""
+    b, h = kb.shape[:2]
+    ok = _gather_blocks(validb.expand(b, h, *validb.shape[2:]), idx).flatten(3, 4)
+    return _gather_blocks(kb, idx).flatten(3, 4), _gather_blocks(vb, idx).flatten(3, 4), ok
+
+
 def piecewise_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: Tensor
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax sums over the chosen key blocks, relative to their row maximum.
@@ -143,10 +152,8 @@ def piecewise_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, id
         ``(num (B, H, nQ, block, d_v), den (..., block), row max (..., block))``; a row with no
         valid chosen key has max ``-inf`` and zero sums.
     """
-    b, h, nq, block, d = qb.shape
-    ks = _gather_blocks(kb, idx).flatten(3, 4)  # (B, H, nQ, t*block, d)
-    vs = _gather_blocks(vb, idx).flatten(3, 4)
-    ok = _gather_blocks(validb.expand(b, h, *validb.shape[2:]), idx).flatten(3, 4)  # (B, H, nQ, t*block)
+    d = qb.shape[-1]
+    ks, vs, ok = _chosen_keys(kb, vb, validb, idx)
     x = (qb @ ks.transpose(-1, -2)) / math.sqrt(d)  # (B, H, nQ, block, t*block)
     x = x.masked_fill(~ok.unsqueeze(-2), float("-inf"))
     mx = x.amax(dim=-1)
@@ -177,9 +184,7 @@ def fused_exact_terms(qb: Tensor, kb: Tensor, vb: Tensor, validb: Tensor, idx: T
     numerator, ``-inf`` log-sum-exp).
     """
     b, h, nq, block, d = qb.shape
-    ks = _gather_blocks(kb, idx).flatten(3, 4)  # (B, H, nQ, S, d), S = t*block
-    vs = _gather_blocks(vb, idx).flatten(3, 4)
-    ok = _gather_blocks(validb.expand(b, h, *validb.shape[2:]), idx).flatten(3, 4)  # (B, H, nQ, S)
+    ks, vs, ok = _chosen_keys(kb, vb, validb, idx)
     rows, span = b * h * nq, ks.shape[3]
     bias = None
     if not bool(ok.all()):
