@@ -29,8 +29,11 @@ import sys
 import time
 from typing import Optional
 
+from latte_plugin.ops import ORDERS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: The piecewise knobs of the package defaults (LatteConfig), for timing and for the assignments.
+#: The piecewise knobs of the package defaults (LatteConfig), for timing and for the assignments
+#: (``--piecewise-order`` replaces the order; with ``--from``, the results file's order does).
 KNOBS = {"block": 64, "order": "similarity", "rest": "latte"}
 
 
@@ -41,19 +44,20 @@ def build(family: str, side: int, hf_config: Optional[str]):
     return (build_detr_r50 if family == "detr_r50" else build_hf)(family, side, hf_config)
 
 
-def apply_assignment(model, assignment: dict) -> None:
+def apply_assignment(model, assignment: dict, knobs: dict) -> None:
     """Puts each named layer in its mode (``latte`` or ``piecewise@<top>``: the calibration's
-    ``cost.set_mode``, the defaults' block, order and rest), the others exact."""
+    ``cost.set_mode``, with the piecewise ``knobs``' block, order and rest), the others exact."""
     from latte_plugin.calibration.cost import set_mode
     from latte_plugin.nn.install import find_latte_layers, set_modes
 
     layers = find_latte_layers(model)
     set_modes(layers, [])
     for name, mode in assignment.items():
-        set_mode(layers[name], mode, KNOBS)
+        set_mode(layers[name], mode, knobs)
 
 
-def run_point(family: str, side: int, assignment: dict, reps: int, threads: int, hf_config: Optional[str]) -> dict:
+def run_point(family: str, side: int, assignment: dict, reps: int, threads: int, hf_config: Optional[str],
+              knobs: dict) -> dict:
     """In this (fresh) process: the exact model and the assignment timed in alternation (medians)."""
     import torch
 
@@ -66,7 +70,7 @@ def run_point(family: str, side: int, assignment: dict, reps: int, threads: int,
     exact, hybrid = [], []
     with torch.no_grad():
         for assigned, acc in [(False, None), (True, None)] + [(False, exact), (True, hybrid)] * reps:
-            apply_assignment(model, assignment) if assigned else set_modes(layers, [])
+            apply_assignment(model, assignment, knobs) if assigned else set_modes(layers, [])
             t0 = time.perf_counter()
             forward()
             if acc is not None:
@@ -75,10 +79,12 @@ def run_point(family: str, side: int, assignment: dict, reps: int, threads: int,
             "measured_speedup": statistics.median(exact) / statistics.median(hybrid)}
 
 
-def measure(family: str, side: int, assignment: dict, reps: int, threads: int, hf_config: Optional[str]) -> dict:
+def measure(family: str, side: int, assignment: dict, reps: int, threads: int, hf_config: Optional[str],
+            knobs: dict) -> dict:
     """:func:`run_point` in a fresh child process."""
     cmd = [sys.executable, "-m", "benchmarks.speed_predict", "--point", family, str(side), json.dumps(assignment),
-           "--reps", str(reps), "--threads", str(threads), *(("--hf-config", hf_config) if hf_config else ())]
+           "--reps", str(reps), "--threads", str(threads), "--piecewise-order", knobs["order"],
+           *(("--hf-config", hf_config) if hf_config else ())]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     if out.returncode != 0:
@@ -86,7 +92,7 @@ def measure(family: str, side: int, assignment: dict, reps: int, threads: int, h
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def cost_model(family: str, side: int, threads: int, hf_config: Optional[str]):
+def cost_model(family: str, side: int, threads: int, hf_config: Optional[str], knobs: Optional[dict] = None):
     """The calibration's cost model of the architecture at ``side`` (in this process)."""
     import torch
 
@@ -96,7 +102,7 @@ def cost_model(family: str, side: int, threads: int, hf_config: Optional[str]):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, forward, _ = build(family, side, hf_config)
-    return measure_costs(find_latte_layers(model), None, lambda _b: forward(), KNOBS)
+    return measure_costs(find_latte_layers(model), None, lambda _b: forward(), knobs or KNOBS)
 
 
 def fewest_layers(cost, speedup: str) -> dict:
@@ -119,6 +125,18 @@ def _reachable(cost, speedup: str) -> dict:
         return fewest_layers(cost, speedup)
     except SpeedupUnreachable:
         return {}
+
+
+def file_order(path: str) -> Optional[str]:
+    """The piecewise order a main job's results file calibrated with (``None``: no piecewise layer)."""
+    with open(path, encoding="utf-8") as f:
+        choices = json.load(f).get("choices", {})
+    orders = {(layer.get("kernel") or {}).get("order") for c in choices.values() for layer in c["layers"].values()}
+    orders.discard(None)
+    if len(orders) > 1:
+        raise SystemExit(f"{path}: rows calibrated with different piecewise orders ({', '.join(sorted(orders))}); "
+                         f"time them one file per order")
+    return orders.pop() if orders else None
 
 
 def calibrated_assignments(path: str) -> dict[str, dict]:
@@ -149,14 +167,19 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--label", default=None, help="the model's name in the rows (default: the family)")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--piecewise-order", default=None, choices=ORDERS,
+                   help=f"how piecewise layers form their blocks (default: the --from file's, else {KNOBS['order']})")
     p.add_argument("--point", nargs=3, metavar=("FAMILY", "SIDE", "ASSIGNMENT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    order = a.piecewise_order or (a.from_results and file_order(a.from_results)) or KNOBS["order"]
+    knobs = {**KNOBS, "order": order}
     if a.point:  # a child: one assignment, printed as JSON
-        print(json.dumps(run_point(a.point[0], int(a.point[1]), json.loads(a.point[2]), a.reps, a.threads, a.hf_config)))
+        print(json.dumps(run_point(a.point[0], int(a.point[1]), json.loads(a.point[2]), a.reps, a.threads, a.hf_config,
+                                   knobs)))
         return {}
     rows = []
     for side in a.sizes:
-        cost = cost_model(a.family, side, a.threads, a.hf_config)
+        cost = cost_model(a.family, side, a.threads, a.hf_config, knobs)
         wanted = calibrated_assignments(a.from_results) if a.from_results else {
             f"speedup={s}": _reachable(cost, s) for s in a.speedups}
         for name, assignment in wanted.items():
@@ -164,12 +187,12 @@ def main(argv=None) -> dict:
                 print(f"{a.label or a.family} {side}px {name}: nothing to time (all exact, or above the "
                       f"{cost.predicted_speedup(cost.fastest()):.2f}x the cost model offers)", flush=True)
                 continue
-            got = measure(a.family, side, assignment, a.reps, a.threads, a.hf_config)
+            got = measure(a.family, side, assignment, a.reps, a.threads, a.hf_config, knobs)
             pred = cost.predicted_speedup(assignment)
             rows.append({"model": a.label or a.family, "side": side, "row": name, "assignment": assignment,
                          "predicted_speedup": pred, **got, "error": pred / got["measured_speedup"] - 1.0,
                          "exact_ms_cost_model": cost.exact_ms, "ceiling_speedup": cost.entry()["ceiling_speedup"],
-                         "cost_scale": cost.scale})
+                         "cost_scale": cost.scale, "piecewise_order": order})
             r = rows[-1]
             print(f"{r['model']} {side}px {name:22s} {len(assignment):2d} layers  predicted {pred:.2f}x  measured "
                   f"{got['measured_speedup']:.2f}x  ({100 * r['error']:+.0f}%)", flush=True)

@@ -128,6 +128,52 @@ def test_similarity_order_forms_the_reference_groups(length, groups, d, shift, c
         assert bool((_slots(fast, groups)[1, :, cut:] >= groups + (cut - length) // (length // groups)).all())
 
 
+@pytest.mark.parametrize("length,groups,d,rank,cut", [(64, 4, 32, 8, None), (256, 16, 64, 16, 200),
+                                                      (128, 8, 24, 4, 100), (512, 8, 64, 16, None)])
+def test_lowrank_order_forms_the_reference_groups(length, groups, d, rank, cut):
+    """The bisection in the top principal directions (covariance eigendecomposition, signs fixed)
+    against the reference's (an SVD of the tokens): the same groups; and a permutation."""
+    g = torch.Generator().manual_seed(length + d)
+    x = torch.randn(2, 3, length, d, generator=g) * torch.linspace(0.2, 3.0, d) + 1.0
+    valid = torch.ones(2, 1, length, dtype=torch.bool)
+    if cut is not None:
+        valid[1, :, cut:] = False
+    fast = piecewise.lowrank_similarity_order(x, valid, groups, rank)
+    assert torch.equal(fast.sort(-1).values, torch.arange(length).expand_as(fast))
+    ref = ops.naive_lowrank_similarity_order(x, valid, groups, rank)
+    torch.testing.assert_close(_slots(fast, groups), _slots(ref, groups), rtol=0, atol=0)
+    if cut is not None:  # padding fills the last slots whichever way a split faces: no symmetry to check
+        return
+    # every token negated flips every direction's sign: the same groups (as sets; their order may change)
+    flipped = _slots(piecewise.lowrank_similarity_order(-x, valid, groups, rank), groups)
+    together = _slots(fast, groups)
+    assert torch.equal(flipped.unsqueeze(-1) == flipped.unsqueeze(-2), together.unsqueeze(-1) == together.unsqueeze(-2))
+
+
+def test_lowrank_order_groups_the_separated_clouds_and_runs_the_whole_path():
+    """Two clouds apart along one of 64 dims: one block each, as the full bisection finds them; the
+    whole piecewise path with the order against the naive reference (which forms the same blocks)."""
+    from latte_plugin.ops.piecewise import token_groups
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1, 64, 64, generator=g) * 0.1
+    x[..., 1::2, 5] += 5.0
+    groups, count = token_groups(x, None, 32, "lowrank")
+    assert count == 2 and len({int(groups[0, 0, i]) for i in range(1, 64, 2)}) == 1
+    q, k, v = qkv(b=2, h=3, n=70, m=130, d=32, dv=32, scale=2.0)
+    spec = ops.PiecewiseSpec(2, 1.3, "latte", 16, "lowrank")
+    ref = ops.naive_piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], _mask(2, 130, 65))
+    for backend in ("eager", "plain"):
+        got = ops.piecewise_attention(q, k, v, spec, PER_HEAD["m"], PER_HEAD["rho"], _mask(2, 130, 65), backend)
+        torch.testing.assert_close(got, ref, atol=F32, rtol=F32)
+
+
+def test_lowrank_order_refuses_onnx_export_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
+    with pytest.raises(RuntimeError, match="piecewise_order='similarity' to export"):
+        piecewise.lowrank_similarity_order(torch.randn(1, 1, 64, 32), torch.ones(1, 1, 64, dtype=torch.bool), 4)
+
+
 def test_a_key_far_above_the_chosen_blocks_leaves_every_path_finite():
     """A key whose block mean scores low but which scores ~400 against the query: not chosen, it
     enters only through its block's mean; float32 exp of its raw score would overflow."""

@@ -237,10 +237,12 @@ class LatteConfig:
     piecewise_top: Optional[int] = _opt(None, "exact key blocks per query block of a piecewise layer; default: "
                                               "calibrated per layer among 1, 2, 4 and 8")
     piecewise_block: int = _opt(PIECEWISE_BLOCK, "tokens per block of the piecewise kernel (about that many with "
-                                                 "piecewise_order=similarity)")
+                                                 "piecewise_order=similarity or lowrank)")
     piecewise_order: str = _opt("similarity", "how a piecewise layer forms its blocks: tokens (consecutive tokens, "
-                                              "PISA's blocks) or similarity (similar tokens together, by balanced "
-                                              "bisection of each input's queries and keys)", ORDERS)
+                                              "PISA's blocks), similarity (similar tokens together, by balanced "
+                                              "bisection of each input's queries and keys) or lowrank (the same "
+                                              "bisection in their top 16 principal directions: cheaper, no ONNX)",
+                                ORDERS)
     # latte: lower held-out error than blockmean on all 6 ViT blocks (results/piecewise_layers_deimv2_vit.json)
     piecewise_rest: str = _opt("latte", "how a piecewise layer approximates the keys outside its exact blocks: "
                                         "latte (the calibrated LATTE kernel spreads the blocks' mass) or blockmean "

@@ -14,7 +14,7 @@ from torch import Tensor
 from .masks import additive_mask
 
 __all__ = ["naive_softmax_attention", "naive_jpn_similarity", "naive_linear_attention", "naive_piecewise_attention",
-           "naive_similarity_order"]
+           "naive_similarity_order", "naive_lowrank_similarity_order"]
 
 _EPS = 1e-6
 
@@ -196,3 +196,29 @@ def naive_similarity_order(x: Tensor, valid: Tensor, groups: int, iters: int = 4
         perm = torch.gather(perm.reshape(b, h, g, length // g), 3, order).reshape(b, h, length)
         g *= 2
     return perm
+
+
+def naive_lowrank_similarity_order(x: Tensor, valid: Tensor, groups: int, rank: int, iters: int = 4) -> Tensor:
+    """The bisection of :func:`naive_similarity_order` on the valid tokens' coordinates along their
+    top ``rank`` principal directions. The reference of
+    :func:`latte_plugin.ops.piecewise.lowrank_similarity_order`: the directions are the right
+    singular vectors of the centred tokens (an SVD, not the covariance's eigendecomposition), each
+    signed so that its largest-magnitude entry is positive.
+
+    Args:
+        x: ``(B, H, L, d)`` with ``L`` a multiple of ``groups``; valid: ``(B, H|1, L)`` bool; rank: < d.
+
+    Returns:
+        ``(B, H, L)`` int64: sorted position -> original position.
+    """
+    b, h, length, d = x.shape
+    ok = valid.expand(b, h, length).to(x.dtype).unsqueeze(-1)
+    c = (x - (x * ok).sum(-2, keepdim=True) / ok.sum(-2, keepdim=True).clamp_min(1.0)) * ok
+    coords = torch.empty(b, h, length, rank, dtype=x.dtype, device=x.device)
+    for i in range(b):
+        for j in range(h):
+            _, _, vh = torch.linalg.svd(c[i, j].double(), full_matrices=False)  # rows: directions, largest first
+            top = vh[:rank].flip(0)  # the fast path's column order: ascending variance
+            top = top * torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))
+            coords[i, j] = (c[i, j].double() @ top.T).to(x.dtype)
+    return naive_similarity_order(coords, valid, groups, iters)

@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RESTS", "ORDERS", "PIECEWISE_BLOCK", "PiecewiseSpec", "similarity_groups", "similarity_order", "token_groups", "pooled_queries",
+__all__ = ["RESTS", "ORDERS", "PIECEWISE_BLOCK", "LOWRANK_RANK", "PiecewiseSpec", "similarity_groups", "similarity_order",
+           "lowrank_similarity_order", "order_tokens", "token_groups", "pooled_queries",
            "pool_blocks", "select_key_blocks", "piecewise_attention",
            "piecewise_exact_terms", "fused_exact_terms", "fused_exact_available", "piecewise_rest_terms", "merge_terms", "psi_unit"]
 
@@ -40,8 +41,13 @@ RESTS = ("blockmean", "latte")
 PIECEWISE_BLOCK = 64
 #: How tokens form blocks: ``tokens``, consecutive tokens (PISA's blocks); ``similarity``, similar
 #: tokens (balanced bisection along principal directions, per input: :func:`similarity_order`),
-#: so that a block's mean stands for its members when attention is sharp.
-ORDERS = ("tokens", "similarity")
+#: so that a block's mean stands for its members when attention is sharp; ``lowrank``, the same
+#: bisection on the tokens' projection onto their top :data:`LOWRANK_RANK` principal directions
+#: (:func:`lowrank_similarity_order`: each round reads ``LOWRANK_RANK`` columns instead of ``d``).
+#: Appended only: a checkpoint stores the index.
+ORDERS = ("tokens", "similarity", "lowrank")
+#: Principal directions kept by ``order='lowrank'``.
+LOWRANK_RANK = 16
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class PiecewiseSpec:
     Attributes:
         top: exact key blocks per query block (capped at the number of key blocks).
         gamma: the mass scale of the approximated blocks. rest: one of :data:`RESTS`.
-        block: tokens per block (about that many with ``order='similarity'``). order: one of :data:`ORDERS`.
+        block: tokens per block (about that many with an order other than ``tokens``). order: one of :data:`ORDERS`.
     """
 
     top: int
@@ -269,7 +275,7 @@ def merge_terms(exact: tuple[Tensor, Tensor, Tensor], rest: tuple[Tensor, Tensor
 
 def similarity_groups(length: int, block: int, order: str) -> tuple[int, int]:
     """``(groups, tokens per group)`` of ``length`` tokens: contiguous blocks of ``block`` (``tokens``),
-    or a power-of-two number of groups of about ``block`` (``similarity``: what bisection splits)."""
+    or a power-of-two number of groups of about ``block`` (``similarity``, ``lowrank``: what bisection splits)."""
     if order == "tokens":
         return -(-length // block), block
     groups = 1 << max(0, round(math.log2(max(length / block, 1.0))))
@@ -317,6 +323,48 @@ def similarity_order(x: Tensor, valid: Tensor, groups: int, iters: int = 4) -> T
     return perm.reshape(b, h, length)
 
 
+def lowrank_similarity_order(x: Tensor, valid: Tensor, groups: int, rank: int = LOWRANK_RANK, iters: int = 4) -> Tensor:
+    """:func:`similarity_order` on the valid tokens' projection onto their top ``rank`` principal
+    directions (one ``d x d`` eigendecomposition per batch and head), so that every round's
+    gathers, covariance and projection read ``rank`` columns instead of ``d``. The groups differ
+    from the full bisection's where a group's own principal direction leaves that subspace.
+    Each direction's sign is fixed (its largest entry positive) so that the groups do not depend on
+    the eigensolver's. The reference is :func:`latte_plugin.ops.naive.naive_lowrank_similarity_order`
+    (the directions from an SVD of the tokens).
+
+    Args:
+        x: ``(B, H, L, d)`` with ``L`` a multiple of ``groups``; valid: ``(B, H|1, L)`` bool.
+        rank: directions kept (``rank >= d``: :func:`similarity_order` itself).
+
+    Returns:
+        ``(B, H, L)`` int64: sorted position -> original position.
+    """
+    b, h, length, d = x.shape
+    if rank >= d:
+        return similarity_order(x, valid, groups, iters)
+    if torch.onnx.is_in_onnx_export():
+        raise RuntimeError("piecewise order 'lowrank' has no ONNX graph (an eigendecomposition); calibrate with "
+                           "piecewise_order='similarity' to export")
+    ok = valid.expand(b, h, length).to(x.dtype).unsqueeze(-1)
+    mean = (x * ok).sum(-2, keepdim=True) / ok.sum(-2, keepdim=True).clamp_min(1.0)
+    c = (x - mean) * ok
+    _, vecs = torch.linalg.eigh(c.transpose(-1, -2) @ c)  # ascending eigenvalues
+    top = vecs[..., -rank:]  # (B, H, d, rank)
+    top = top * _signs(top)
+    return similarity_order(c @ top, valid, groups, iters)
+
+
+def _signs(vecs: Tensor) -> Tensor:
+    """``+-1`` per column of ``vecs`` ``(..., d, r)`` making each column's largest-magnitude entry positive."""
+    peak = torch.gather(vecs, -2, vecs.abs().argmax(dim=-2, keepdim=True))
+    return torch.where(peak < 0, -torch.ones_like(peak), torch.ones_like(peak))
+
+
+def order_tokens(x: Tensor, valid: Tensor, groups: int, order: str) -> Tensor:
+    """The permutation of ``order`` (``similarity`` or ``lowrank``; arguments as in :func:`similarity_order`)."""
+    return (lowrank_similarity_order if order == "lowrank" else similarity_order)(x, valid, groups)
+
+
 def token_groups(x: Tensor, valid: Optional[Tensor], block: int, order: str) -> tuple[Tensor, int]:
     """The block of every token, as the fast path forms them: ``((B, H, L) int64, number of blocks)``.
 
@@ -330,7 +378,7 @@ def token_groups(x: Tensor, valid: Optional[Tensor], block: int, order: str) -> 
         return (torch.arange(length, device=x.device) // block).expand(b, h, length), groups
     ok = torch.ones(b, length, dtype=torch.bool, device=x.device) if valid is None else valid
     ok = torch.nn.functional.pad(ok, (0, groups * size - length)).unsqueeze(1)
-    perm = similarity_order(_pad(x, groups * size), ok, groups)
+    perm = order_tokens(_pad(x, groups * size), ok, groups, order)
     slot = (torch.arange(groups * size, device=x.device) // size).expand_as(perm)
     return torch.empty_like(perm).scatter_(2, perm, slot)[..., :length], groups
 
@@ -368,8 +416,8 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]
     valid_q = torch.nn.functional.pad(torch.ones(b, n, dtype=torch.bool, device=q.device), (0, nq * sq - n))
     valid_q = valid_q.unsqueeze(1)
     qperm = None
-    if order == "similarity":
-        qperm, kperm = similarity_order(qp, valid_q, nq), similarity_order(kp, valid_k, nk)
+    if order != "tokens":
+        qperm, kperm = order_tokens(qp, valid_q, nq, order), order_tokens(kp, valid_k, nk, order)
         qp, kp, vp = _take(qp, qperm), _take(kp, kperm), _take(vp, kperm)
         valid_q = torch.gather(valid_q.expand(b, h, -1), 2, qperm)
         valid_k = torch.gather(valid_k.expand(b, h, -1), 2, kperm)
