@@ -230,16 +230,19 @@ def raw_measure_table() -> str:
             f"that block alone changed, no output correction. `{res['command']}`.")
 
 
-#: The opt-in matched judge: (input side, split) -> (its main job results, its fresh-process
-#: timings), beside the same split's runs with the default judge (:data:`VIT_RUNS`).
-MATCHED_RUNS = {(1440, "main"): ("speed_deimv2_vit_1440_judge_matched.json",
-                                 "speed_measured_deimv2_vit_1440_judge_matched.json"),
-                (1024, "seed 1212"): ("speed_deimv2_vit_1024_seed1212_judge_matched.json",
-                                      "speed_measured_deimv2_vit_1024_seed1212_judge_matched.json"),
-                (1024, "seed 1111"): ("speed_deimv2_vit_1024_seed1111_judge_matched.json",
-                                      "speed_measured_deimv2_vit_1024_seed1111_judge_matched.json"),
-                (1024, "main"): ("speed_deimv2_vit_1024_judge_matched.json",
-                                 "speed_measured_deimv2_vit_1024_judge_matched.json")}
+#: The opt-in matched judge: (input side, split, how it was calibrated) -> (its main job results,
+#: its fresh-process timings), beside the same split's runs with the default judge (:data:`VIT_RUNS`).
+MATCHED_RUNS = {(1440, "main", "matched"): ("speed_deimv2_vit_1440_judge_matched.json",
+                                            "speed_measured_deimv2_vit_1440_judge_matched.json"),
+                (1440, "main", "matched, lowrank order"): ("speed_deimv2_vit_1440_judge_matched_lowrank.json",
+                                                           "speed_measured_deimv2_vit_1440_judge_matched_lowrank.json"),
+                (1024, "seed 1212", "matched"): ("speed_deimv2_vit_1024_seed1212_judge_matched.json",
+                                                 "speed_measured_deimv2_vit_1024_seed1212_judge_matched.json"),
+                (1024, "seed 1111", "matched"): ("speed_deimv2_vit_1024_seed1111_judge_matched.json",
+                                                 "speed_measured_deimv2_vit_1024_seed1111_judge_matched.json"),
+                (1024, "main", "matched"): ("speed_deimv2_vit_1024_judge_matched.json",
+                                            "speed_measured_deimv2_vit_1024_judge_matched.json")}
+DEFAULT_JUDGE = "outputs (default)"
 
 
 def _fresh(timing: Optional[dict], row: str) -> Optional[float]:
@@ -248,23 +251,24 @@ def _fresh(timing: Optional[dict], row: str) -> Optional[float]:
 
 def matched_rows() -> list[dict]:
     """Every ``speedup=`` row calibrated with ``judge='matched'``, and the same row with the default
-    judge on the same split: kept (against that split's exact row in the default job), the
-    calibration's prediction, its in-process measurement and the fresh-process one."""
-    out = []
-    for (side, split), (job_file, timing_file) in MATCHED_RUNS.items():
+    judge on the same split where it ran: kept (against that split's exact row in the default job),
+    the calibration's prediction, its in-process measurement and the fresh-process one."""
+    out, seen = [], set()
+    for (side, split, judge), (job_file, timing_file) in MATCHED_RUNS.items():
         trial, base = _load(job_file), _load(VIT_RUNS[(side, split)][0])
         if trial is None or base is None:
             continue
-        timings = {"matched": _load(timing_file), "outputs (default)": _load(VIT_RUNS[(side, split)][1])}
+        timings = {judge: _load(timing_file), DEFAULT_JUDGE: _load(VIT_RUNS[(side, split)][1])}
         exact = base["metrics"]["exact"]["bbox_mAP"]
         for row in trial["metrics"]:
-            for judge, res in (("outputs (default)", base), ("matched", trial)):
+            for how, res in ((DEFAULT_JUDGE, base), (judge, trial)):
                 m, speed = res["metrics"].get(row), (res.get("choices", {}).get(row) or {}).get("speed")
-                if m is None or speed is None:
+                if m is None or speed is None or (side, split, row, how) in seen:
                     continue
-                out.append({"side": side, "split": split, "row": row, "judge": judge, "modes": _modes(speed["assignment"]),
+                seen.add((side, split, row, how))
+                out.append({"side": side, "split": split, "row": row, "judge": how, "modes": _modes(speed["assignment"]),
                             "mAP": m["bbox_mAP"], "kept": m["bbox_mAP"] / exact, "predicted": speed["predicted_speedup"],
-                            "in_process": speed["measured_speedup"], "fresh": _fresh(timings[judge], row)})
+                            "in_process": speed["measured_speedup"], "fresh": _fresh(timings[how], row)})
     return out
 
 
@@ -285,20 +289,22 @@ def matched_trial_table() -> str:
 
 
 def matched_summary() -> str:
-    """The fastest fresh-process speed-up at >= 97% kept with the matched judge, per calibrated split."""
-    rows = [r for r in matched_rows() if r["judge"] == "matched"]
+    """The fastest fresh-process speed-up at >= 97% kept with the matched judge, per calibrated split
+    (and per piecewise order where a split was calibrated with another)."""
+    rows = [r for r in matched_rows() if r["judge"] != DEFAULT_JUDGE]
     if not rows:
         return ""
     parts = []
-    for side, split in MATCHED_RUNS:
-        here = [r for r in rows if (r["side"], r["split"]) == (side, split)]
+    for side, split, judge in MATCHED_RUNS:
+        here = [r for r in rows if (r["side"], r["split"], r["judge"]) == (side, split, judge)]
         kept = [r for r in here if r["kept"] >= KEPT_GOAL]
         timed = [r["fresh"] for r in kept if r["fresh"] is not None]
+        name = f"{side} px {split}" + ("" if judge == "matched" else f" ({judge.split(', ', 1)[-1]})")
         if timed:
-            parts.append(f"{side} px {split} {max(timed):.2f}x")
+            parts.append(f"{name} {max(timed):.2f}x")
         elif here:
-            parts.append(f"{side} px {split}: " + ("not timed in fresh processes yet" if kept else
-                                                   f"none of its {len(here)} row(s) keeps {100 * KEPT_GOAL:.0f}%"))
+            parts.append(f"{name}: " + ("not timed in fresh processes yet" if kept else
+                                        f"none of its {len(here)} row(s) keeps {100 * KEPT_GOAL:.0f}%"))
     return (" With the opt-in `judge='matched'` (rows run on some splits only; fastest measured at >= "
             f"{100 * KEPT_GOAL:.0f}% kept): " + ", ".join(parts) + ".")
 
