@@ -241,7 +241,9 @@ MATCHED_RUNS = {(1440, "main", "matched"): ("speed_deimv2_vit_1440_judge_matched
                 (1024, "seed 1111", "matched"): ("speed_deimv2_vit_1024_seed1111_judge_matched.json",
                                                  "speed_measured_deimv2_vit_1024_seed1111_judge_matched.json"),
                 (1024, "main", "matched"): ("speed_deimv2_vit_1024_judge_matched.json",
-                                            "speed_measured_deimv2_vit_1024_judge_matched.json")}
+                                            "speed_measured_deimv2_vit_1024_judge_matched.json"),
+                (1024, "main", "matched, lowrank order"): ("speed_deimv2_vit_1024_judge_matched_lowrank.json",
+                                                           "speed_measured_deimv2_vit_1024_judge_matched_lowrank.json")}
 DEFAULT_JUDGE = "outputs (default)"
 
 
