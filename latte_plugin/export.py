@@ -29,12 +29,19 @@ STANDARD_DOMAINS = ("", "ai.onnx")
 
 @contextlib.contextmanager
 def inference_modes(model: nn.Module) -> Iterator[list[str]]:
-    """Dynamic-mode LATTE layers run linear for the export (warned); restored afterwards.
+    """Dynamic-mode LATTE layers run linear for the export (warned); restored afterwards. A
+    piecewise layer with the ``lowrank`` order is refused (no ONNX eigendecomposition).
 
     Yields:
         The names of the layers that were switched.
     """
     layers = find_latte_layers(model)
+    lowrank = [n for n, layer in layers.items()
+               if layer.mode in ("linear", "dynamic") and layer.kernel == "piecewise" and layer.piecewise_order == "lowrank"]
+    if lowrank:  # before tracing: the eigendecomposition would fail deep inside the exporter
+        raise ValueError(f"piecewise layer {lowrank[0]} uses piecewise_order='lowrank', which has no ONNX graph (an "
+                         f"eigendecomposition){f' (and {len(lowrank) - 1} more)' if len(lowrank) > 1 else ''}; "
+                         "calibrate with piecewise_order='similarity' to export")
     dynamic = [n for n, layer in layers.items() if layer.mode == "dynamic"]
     if dynamic:
         warnings.warn(f"dynamic-mode LATTE layers {dynamic} are exported on their linear path (no ONNX If); "

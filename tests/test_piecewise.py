@@ -168,7 +168,17 @@ def test_lowrank_order_groups_the_separated_clouds_and_runs_the_whole_path():
         torch.testing.assert_close(got, ref, atol=F32, rtol=F32)
 
 
-def test_lowrank_order_refuses_onnx_export_in_one_line(monkeypatch):
+def test_lowrank_order_refuses_onnx_export_in_one_line(monkeypatch, tmp_path):
+    """The export names the layer before tracing; the kernel itself refuses under export too."""
+    from latte_plugin.export import export_onnx
+
+    model = torch.nn.Module()
+    model.attn = LatteParams(64, 2)
+    model.attn.set_piecewise(2, 1.0, "latte", 16, "lowrank")
+    model.attn.mode = "linear"
+    with pytest.raises(ValueError, match=r"piecewise layer attn uses piecewise_order='lowrank'.*'similarity' to export"):
+        export_onnx(model, (torch.randn(1, 2, 64, 32),) * 3, str(tmp_path / "m.onnx"))
+    assert not (tmp_path / "m.onnx").exists()
     monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
     with pytest.raises(RuntimeError, match="piecewise_order='similarity' to export"):
         piecewise.lowrank_similarity_order(torch.randn(1, 1, 64, 32), torch.ones(1, 1, 64, dtype=torch.bool), 4)
