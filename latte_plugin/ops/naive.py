@@ -168,7 +168,7 @@ def naive_similarity_order(x: Tensor, valid: Tensor, groups: int, iters: int = 4
     """A permutation that puts similar tokens together: ``log2(groups)`` rounds of bisection, each
     group split at the median of its projection on its principal direction (power iteration from
     a fixed start: deterministic), invalid tokens last. Balanced: every group gets the same number
-    of slots. The reference of :func:`latte_plugin.ops.piecewise.similarity_order`: the power
+    of slots. The reference of :func:`latte_plugin.ops.token_order.similarity_order`: the power
     iteration as ``c^T (c v)`` over the tokens, each round gathered from ``x`` afresh.
 
     Args:
@@ -201,7 +201,7 @@ def naive_similarity_order(x: Tensor, valid: Tensor, groups: int, iters: int = 4
 def naive_lowrank_similarity_order(x: Tensor, valid: Tensor, groups: int, rank: int, iters: int = 4) -> Tensor:
     """The bisection of :func:`naive_similarity_order` on the valid tokens' coordinates along their
     top ``rank`` principal directions. The reference of
-    :func:`latte_plugin.ops.piecewise.lowrank_similarity_order`: the directions are the right
+    :func:`latte_plugin.ops.token_order.lowrank_similarity_order`: the directions are the right
     singular vectors of the centred tokens (an SVD, not the covariance's eigendecomposition), each
     signed so that its largest-magnitude entry is positive.
 
